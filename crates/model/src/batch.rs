@@ -1,0 +1,204 @@
+//! What one forward step carries: which sequences, at which positions, with which inputs,
+//! and what the last stage returns.
+
+use std::fmt;
+
+/// A token id in the model's vocabulary.
+pub type TokenId = u32;
+
+/// Identifies one sequence (one user's request); each has its own KV cache on every stage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SeqId(pub u64);
+
+impl fmt::Display for SeqId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "seq{}", self.0)
+    }
+}
+
+/// A half-open range of layer indices `start..end`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct LayerRange {
+    /// First layer (inclusive).
+    pub start: usize,
+    /// Last layer (exclusive).
+    pub end: usize,
+}
+
+impl LayerRange {
+    /// `start..end`; callers check `start < end`.
+    pub fn new(start: usize, end: usize) -> Self {
+        Self { start, end }
+    }
+    /// Number of layers in the range.
+    pub fn len(&self) -> usize {
+        self.end - self.start
+    }
+    /// True when the range holds no layer.
+    pub fn is_empty(&self) -> bool {
+        self.end <= self.start
+    }
+    /// Splits `0..n_layers` into `stages` contiguous ranges as even as possible.
+    pub fn even_split(n_layers: usize, stages: usize) -> Vec<LayerRange> {
+        let base = n_layers / stages;
+        let extra = n_layers % stages;
+        let mut out = Vec::with_capacity(stages);
+        let mut start = 0;
+        for i in 0..stages {
+            let len = base + usize::from(i < extra);
+            out.push(LayerRange::new(start, start + len));
+            start += len;
+        }
+        out
+    }
+}
+
+impl fmt::Display for LayerRange {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}..{}", self.start, self.end)
+    }
+}
+
+/// Which logits the last stage returns for a sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsWanted {
+    /// None (a prefill chunk that is not the prompt's last).
+    None,
+    /// Only the last new token's logits (plain decoding).
+    Last,
+    /// Logits at every new token (verifying drafted tokens, perplexity).
+    All,
+}
+
+/// One sequence's part of a step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SeqStep {
+    /// The sequence.
+    pub seq: SeqId,
+    /// Position of this step's first token. The stage truncates the sequence's KV cache to
+    /// `pos` before appending, which is how rejected speculation is rolled back.
+    pub pos: usize,
+    /// Number of new tokens.
+    pub n: usize,
+    /// Logits wanted from the last stage.
+    pub logits: LogitsWanted,
+}
+
+/// The input rows of a step, in sequence order: `sum(n)` rows.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StageInput {
+    /// Token ids (first stage).
+    Tokens(Vec<TokenId>),
+    /// Hidden states, `[rows, hidden]` row-major (later stages).
+    Hidden(Vec<f32>),
+}
+
+/// One forward step over several sequences.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepBatch {
+    /// The sequences, each with its position and token count.
+    pub seqs: Vec<SeqStep>,
+    /// Their input rows, concatenated in `seqs` order.
+    pub input: StageInput,
+}
+
+impl StepBatch {
+    /// Total number of token rows in the step.
+    pub fn total_rows(&self) -> usize {
+        self.seqs.iter().map(|s| s.n).sum()
+    }
+}
+
+/// Logits the last stage returns for one sequence.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SeqLogits {
+    /// The sequence.
+    pub seq: SeqId,
+    /// Position of the token whose logits are the first row (they predict `pos + 1`).
+    pub first_pos: usize,
+    /// Number of rows.
+    pub rows: usize,
+    /// `[rows, vocab]` row-major.
+    pub data: Vec<f32>,
+}
+
+impl SeqLogits {
+    /// Row `i` of the logits.
+    pub fn row(&self, i: usize) -> &[f32] {
+        let vocab = self.data.len() / self.rows.max(1);
+        &self.data[i * vocab..(i + 1) * vocab]
+    }
+    /// Greedy choice at every row (lowest id on ties).
+    pub fn argmax(&self) -> Vec<TokenId> {
+        (0..self.rows).map(|i| argmax(self.row(i))).collect()
+    }
+}
+
+/// Index of the largest value, the lowest index on ties.
+pub fn argmax(xs: &[f32]) -> TokenId {
+    let mut best = 0;
+    for (i, &x) in xs.iter().enumerate() {
+        if x > xs[best] {
+            best = i;
+        }
+    }
+    best as TokenId
+}
+
+/// What a stage's forward pass produces.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StageOutput {
+    /// Hidden states for every row, for the next stage.
+    Hidden(Vec<f32>),
+    /// Logits for the requested rows (last stage).
+    Logits(Vec<SeqLogits>),
+}
+
+/// Hidden states as the bytes that travel between stages: f32, little-endian.
+pub fn hidden_to_bytes(hidden: &[f32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(hidden.len() * 4);
+    for x in hidden {
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    out
+}
+
+/// Inverse of [`hidden_to_bytes`]; `None` when the length is not a multiple of 4.
+pub fn hidden_from_bytes(bytes: &[u8]) -> Option<Vec<f32>> {
+    if bytes.len() % 4 != 0 {
+        return None;
+    }
+    Some(
+        bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn even_split_tiles() {
+        let r = LayerRange::even_split(30, 4);
+        assert_eq!(
+            r.iter().map(|r| r.len()).collect::<Vec<_>>(),
+            vec![8, 8, 7, 7]
+        );
+        assert_eq!(r[0].start, 0);
+        assert_eq!(r[3].end, 30);
+    }
+
+    #[test]
+    fn hidden_bytes_round_trip() {
+        let h = vec![1.5f32, -0.0, f32::MIN_POSITIVE, 3.25e7];
+        let back = hidden_from_bytes(&hidden_to_bytes(&h)).unwrap();
+        assert_eq!(
+            h.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            back.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
+        assert!(hidden_from_bytes(&[1, 2, 3]).is_none());
+    }
+}

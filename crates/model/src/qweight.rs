@@ -1,0 +1,266 @@
+//! Quantized weights kept in their GGUF block format, and a row-wise exact matmul over them.
+//!
+//! Each output element is `vec_dot(weight row, quantized activation row)` with candle's
+//! per-row dot product, whatever the number of activation rows or threads: a token's result
+//! never depends on which other tokens share the pass. (candle's own `QMatMul` switches to
+//! repacked multi-row tiles for batches, which round differently, and keeps a second copy of
+//! the weights.) Threads split the output rows; every element is computed by one thread with
+//! the same code, so thread count does not change results either.
+
+use candle_core::quantized::k_quants::{
+    BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K,
+    BlockQ8_0,
+};
+use candle_core::quantized::{GgmlDType, GgmlType};
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+use crate::error::ModelError;
+
+/// A `[rows, cols]` weight matrix in its storage format.
+pub struct QWeight {
+    rows: usize,
+    cols: usize,
+    dtype: GgmlDType,
+    blocks: Box<dyn RowKernel>,
+}
+
+impl std::fmt::Debug for QWeight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "QWeight[{}x{} {:?}]", self.rows, self.cols, self.dtype)
+    }
+}
+
+/// Type-erased operations over one block format.
+trait RowKernel: Send + Sync {
+    fn matmul(&self, rows: usize, cols: usize, xs: &[f32], n: usize, out: &mut [f32]);
+    fn dequantize_row(&self, row: usize, cols: usize, out: &mut [f32]);
+    fn nbytes(&self) -> usize;
+}
+
+struct Blocks<T: GgmlType>(Vec<T>);
+
+/// Copies raw GGUF bytes into a vector of blocks.
+fn blocks_from_bytes<T: GgmlType>(bytes: &[u8]) -> Vec<T> {
+    let size = std::mem::size_of::<T>();
+    let n = bytes.len() / size;
+    let mut v: Vec<T> = Vec::with_capacity(n);
+    // SAFETY: every GGML block type is a `repr(C)` struct of integers, f16 and byte arrays,
+    // valid for any bit pattern; `v` has capacity for `n` blocks and we copy exactly
+    // `n * size` bytes, which `bytes` holds.
+    unsafe {
+        std::ptr::copy_nonoverlapping(bytes.as_ptr(), v.as_mut_ptr() as *mut u8, n * size);
+        v.set_len(n);
+    }
+    v
+}
+
+/// Output rows handed to one rayon task: enough work to amortize scheduling.
+const ROWS_PER_TASK: usize = 16;
+
+impl<T: GgmlType + 'static> RowKernel for Blocks<T> {
+    fn matmul(&self, rows: usize, cols: usize, xs: &[f32], n: usize, out: &mut [f32]) {
+        let bw = cols / T::BLCK_SIZE;
+        let bx = cols / T::VecDotType::BLCK_SIZE;
+        let mut qx = vec![T::VecDotType::zeros(); n * bx];
+        for i in 0..n {
+            T::VecDotType::from_float(&xs[i * cols..(i + 1) * cols], &mut qx[i * bx..(i + 1) * bx]);
+        }
+        let dot = |r: usize, i: usize| {
+            T::vec_dot(
+                cols,
+                &self.0[r * bw..(r + 1) * bw],
+                &qx[i * bx..(i + 1) * bx],
+            )
+        };
+        if rayon::current_num_threads() <= 1 || rows < 2 * ROWS_PER_TASK {
+            for r in 0..rows {
+                for i in 0..n {
+                    out[i * rows + r] = dot(r, i);
+                }
+            }
+            return;
+        }
+        // Weight-row-major scratch so each task owns a contiguous slice; transposed after.
+        let mut tmp = vec![0f32; rows * n];
+        tmp.par_chunks_mut(ROWS_PER_TASK * n)
+            .enumerate()
+            .for_each(|(c, chunk)| {
+                for (k, dst) in chunk.chunks_mut(n).enumerate() {
+                    let r = c * ROWS_PER_TASK + k;
+                    for (i, d) in dst.iter_mut().enumerate() {
+                        *d = dot(r, i);
+                    }
+                }
+            });
+        for r in 0..rows {
+            for i in 0..n {
+                out[i * rows + r] = tmp[r * n + i];
+            }
+        }
+    }
+
+    fn dequantize_row(&self, row: usize, cols: usize, out: &mut [f32]) {
+        let bw = cols / T::BLCK_SIZE;
+        T::to_float(&self.0[row * bw..(row + 1) * bw], &mut out[..cols]);
+    }
+
+    fn nbytes(&self) -> usize {
+        self.0.len() * std::mem::size_of::<T>()
+    }
+}
+
+impl QWeight {
+    /// Builds a weight from GGUF bytes; `name` is used in errors.
+    pub fn from_bytes(
+        name: &str,
+        dtype: GgmlDType,
+        rows: usize,
+        cols: usize,
+        bytes: &[u8],
+    ) -> Result<Self, ModelError> {
+        if cols % dtype.block_size() != 0 {
+            return Err(ModelError::UnsupportedTensorType {
+                name: name.to_string(),
+                dtype: format!("{dtype:?} with row length {cols} not a multiple of its block"),
+            });
+        }
+        fn b<T: GgmlType + 'static>(bytes: &[u8]) -> Box<dyn RowKernel> {
+            Box::new(Blocks::<T>(blocks_from_bytes(bytes)))
+        }
+        let blocks = match dtype {
+            GgmlDType::F32 => b::<f32>(bytes),
+            GgmlDType::F16 => b::<f16>(bytes),
+            GgmlDType::BF16 => b::<bf16>(bytes),
+            GgmlDType::Q4_0 => b::<BlockQ4_0>(bytes),
+            GgmlDType::Q4_1 => b::<BlockQ4_1>(bytes),
+            GgmlDType::Q5_0 => b::<BlockQ5_0>(bytes),
+            GgmlDType::Q5_1 => b::<BlockQ5_1>(bytes),
+            GgmlDType::Q8_0 => b::<BlockQ8_0>(bytes),
+            GgmlDType::Q2K => b::<BlockQ2K>(bytes),
+            GgmlDType::Q3K => b::<BlockQ3K>(bytes),
+            GgmlDType::Q4K => b::<BlockQ4K>(bytes),
+            GgmlDType::Q5K => b::<BlockQ5K>(bytes),
+            GgmlDType::Q6K => b::<BlockQ6K>(bytes),
+            other => {
+                return Err(ModelError::UnsupportedTensorType {
+                    name: name.to_string(),
+                    dtype: format!("{other:?}"),
+                })
+            }
+        };
+        let expect = rows * cols / dtype.block_size() * dtype.type_size();
+        if bytes.len() != expect || blocks.nbytes() != expect {
+            return Err(ModelError::Gguf {
+                path: Default::default(),
+                msg: format!("tensor `{name}`: {} bytes, expected {expect}", bytes.len()),
+            });
+        }
+        Ok(Self {
+            rows,
+            cols,
+            dtype,
+            blocks,
+        })
+    }
+
+    /// Output size.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+    /// Input size.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+    /// Storage format.
+    pub fn dtype(&self) -> GgmlDType {
+        self.dtype
+    }
+    /// Bytes held.
+    pub fn nbytes(&self) -> usize {
+        self.blocks.nbytes()
+    }
+
+    /// `out[i] = W · xs[i]` for `n` input rows: `xs` is `[n, cols]`, `out` is `[n, rows]`.
+    pub fn matmul(&self, xs: &[f32], n: usize, out: &mut [f32]) {
+        assert_eq!(xs.len(), n * self.cols, "matmul input shape");
+        assert_eq!(out.len(), n * self.rows, "matmul output shape");
+        if n == 0 {
+            return;
+        }
+        self.blocks.matmul(self.rows, self.cols, xs, n, out);
+    }
+
+    /// Dequantizes one row into `out[..cols]` (embedding lookup reads only its rows).
+    pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
+        self.blocks.dequantize_row(row, self.cols, out);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn quantize<T: GgmlType + 'static>(vals: &[f32]) -> Vec<u8> {
+        let mut blocks = vec![T::zeros(); vals.len() / T::BLCK_SIZE];
+        T::from_float(vals, &mut blocks);
+        let size = std::mem::size_of::<T>();
+        // SAFETY: reading the blocks' bytes; plain-old-data types.
+        unsafe { std::slice::from_raw_parts(blocks.as_ptr() as *const u8, blocks.len() * size) }
+            .to_vec()
+    }
+
+    fn lcg(seed: &mut u64) -> f32 {
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((*seed >> 33) as f32 / (1u64 << 31) as f32) - 0.5
+    }
+
+    #[test]
+    fn batch_and_threads_do_not_change_rows() {
+        let (rows, cols) = (70, 512);
+        let mut s = 7;
+        let w: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut s)).collect();
+        for (dtype, bytes) in [
+            (GgmlDType::Q4K, quantize::<BlockQ4K>(&w)),
+            (GgmlDType::Q6K, quantize::<BlockQ6K>(&w)),
+            (GgmlDType::Q8_0, quantize::<BlockQ8_0>(&w)),
+            (GgmlDType::Q4_1, quantize::<BlockQ4_1>(&w)),
+        ] {
+            let q = QWeight::from_bytes("w", dtype, rows, cols, &bytes).unwrap();
+            let n = 9;
+            let xs: Vec<f32> = (0..n * cols).map(|_| lcg(&mut s)).collect();
+            let mut batched = vec![0f32; n * rows];
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(2)
+                .build()
+                .unwrap();
+            pool.install(|| q.matmul(&xs, n, &mut batched));
+            for i in 0..n {
+                let mut one = vec![0f32; rows];
+                q.matmul(&xs[i * cols..(i + 1) * cols], 1, &mut one);
+                let a: Vec<u32> = one.iter().map(|x| x.to_bits()).collect();
+                let b: Vec<u32> = batched[i * rows..(i + 1) * rows]
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect();
+                assert_eq!(a, b, "{dtype:?} row {i}");
+            }
+            // And the result is close to the f32 product.
+            let mut deq = vec![0f32; cols];
+            q.dequantize_row(3, &mut deq);
+            let exact: f32 = deq.iter().zip(&xs[..cols]).map(|(a, b)| a * b).sum();
+            assert!(
+                (exact - batched[3]).abs() < 0.05 * exact.abs().max(1.0),
+                "{dtype:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn misaligned_row_length_is_an_error() {
+        let err = QWeight::from_bytes("blk.0.x", GgmlDType::Q4K, 1, 64, &[0u8; 10]).unwrap_err();
+        assert!(err.to_string().contains("blk.0.x"), "{err}");
+    }
+}
