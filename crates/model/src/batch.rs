@@ -165,7 +165,7 @@ pub fn hidden_to_bytes(hidden: &[f32]) -> Vec<u8> {
 
 /// Inverse of [`hidden_to_bytes`]; `None` when the length is not a multiple of 4.
 pub fn hidden_from_bytes(bytes: &[u8]) -> Option<Vec<f32>> {
-    if bytes.len() % 4 != 0 {
+    if !bytes.len().is_multiple_of(4) {
         return None;
     }
     Some(

@@ -119,7 +119,7 @@ impl QWeight {
         cols: usize,
         bytes: &[u8],
     ) -> Result<Self, ModelError> {
-        if cols % dtype.block_size() != 0 {
+        if !cols.is_multiple_of(dtype.block_size()) {
             return Err(ModelError::UnsupportedTensorType {
                 name: name.to_string(),
                 dtype: format!("{dtype:?} with row length {cols} not a multiple of its block"),

@@ -29,6 +29,10 @@ pub struct TinySpec {
     pub seed: u64,
     /// Context length written to the metadata.
     pub ctx_len: usize,
+    /// Architecture name written instead of the flavour's (to test refusal).
+    pub arch_name: Option<String>,
+    /// Type of the attention weights instead of the flavour's (to test refusal).
+    pub attn_dtype: Option<GgmlDType>,
 }
 
 impl TinySpec {
@@ -39,6 +43,8 @@ impl TinySpec {
             n_layers: 6,
             seed,
             ctx_len: 256,
+            arch_name: None,
+            attn_dtype: None,
         }
     }
 }
@@ -105,6 +111,8 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> candle_core::Result<()> 
         Flavour::Llama => (GgmlDType::Q4_1, GgmlDType::Q8_0),
         Flavour::Qwen2 => (GgmlDType::Q5_0, GgmlDType::F16),
     };
+    let wmain = spec.attn_dtype.unwrap_or(wmain);
+    let arch = spec.arch_name.as_deref().unwrap_or(arch);
     let kv = HIDDEN / HEADS * KV_HEADS;
     let s_in = 1.7 / (HIDDEN as f32).sqrt();
     let s_ffn = 1.7 / (FFN as f32).sqrt();

@@ -1,0 +1,173 @@
+//! `split`: one GGUF per stage holding only that stage's tensors, all model metadata and the
+//! `pipeshard.*` keys, plus `manifest.json`.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::Path;
+
+use candle_core::quantized::gguf_file::{self, Content, Value};
+use candle_core::quantized::QTensor;
+use candle_core::Device;
+use pipeshard_model::stage::keys;
+use pipeshard_model::{LayerRange, ModelConfig};
+
+use crate::manifest::{Manifest, SourceEntry, StageEntry, FORMAT};
+use crate::{byte_bar, invalid, io_err, sha256_file, Result, ShardError};
+
+/// Parses `0..15,15..28` into ranges.
+pub fn parse_layers(spec: &str) -> Result<Vec<LayerRange>> {
+    spec.split(',')
+        .map(|part| {
+            let part = part.trim();
+            let (a, b) = part
+                .split_once("..")
+                .ok_or_else(|| ShardError::Ranges(format!("`{part}` is not START..END")))?;
+            let num = |s: &str| {
+                s.trim().parse::<usize>().map_err(|_| {
+                    ShardError::Ranges(format!("`{part}`: `{s}` is not a layer number"))
+                })
+            };
+            let (a, b) = (num(a)?, num(b)?);
+            if a >= b {
+                return Err(ShardError::Ranges(format!("`{part}` is empty")));
+            }
+            Ok(LayerRange::new(a, b))
+        })
+        .collect()
+}
+
+/// Names of the tensors stage `range` needs, in file order.
+fn stage_tensors(c: &Content, config: &ModelConfig, range: LayerRange) -> Vec<String> {
+    let mut names = Vec::new();
+    if range.start == 0 {
+        names.push("token_embd.weight".to_string());
+    }
+    let mut layer_names: Vec<&String> = c.tensor_infos.keys().collect();
+    layer_names.sort();
+    for i in range.start..range.end {
+        let prefix = format!("blk.{i}.");
+        names.extend(
+            layer_names
+                .iter()
+                .filter(|n| n.starts_with(&prefix))
+                .map(|n| n.to_string()),
+        );
+    }
+    if range.end == config.n_layers {
+        names.push("output_norm.weight".to_string());
+        if c.tensor_infos.contains_key("output.weight") {
+            names.push("output.weight".to_string());
+        } else if range.start != 0 {
+            // Tied embeddings: the last stage needs the table as its lm_head.
+            names.push("token_embd.weight".to_string());
+        }
+    }
+    names
+}
+
+/// Splits `model` into stages with the given ranges, writing shards and `manifest.json` into
+/// `out`. Returns the manifest.
+pub fn split(model: &Path, ranges: &[LayerRange], out: &Path, quiet: bool) -> Result<Manifest> {
+    let mut f = File::open(model).map_err(io_err(model))?;
+    let c = Content::read(&mut f)
+        .map_err(|e| invalid(model, format!("not a readable GGUF file: {e}")))?;
+    if c.metadata.contains_key(keys::SOURCE_SHA256) {
+        return Err(invalid(
+            model,
+            "is already a pipeshard shard; split the original model",
+        ));
+    }
+    let config = ModelConfig::from_gguf(&c).map_err(|e| invalid(model, e.to_string()))?;
+    pipeshard_model::local::check_tiling(ranges, config.n_layers)
+        .map_err(|e| ShardError::Ranges(format!("{e} (model {})", model.display())))?;
+    std::fs::create_dir_all(out).map_err(io_err(out))?;
+
+    let bytes = std::fs::metadata(model).map_err(io_err(model))?.len();
+    let bar = byte_bar(bytes, "hashing", quiet);
+    let sha = sha256_file(model, &bar)?;
+    bar.finish_and_clear();
+
+    let plan: Vec<Vec<String>> = ranges
+        .iter()
+        .map(|r| stage_tensors(&c, &config, *r))
+        .collect();
+    let total: u64 = plan
+        .iter()
+        .flatten()
+        .map(|n| pipeshard_model::gguf::GgufFile::tensor_nbytes(&c.tensor_infos[n]) as u64)
+        .sum();
+    let bar = byte_bar(total, "splitting", quiet);
+    let mut stages = Vec::new();
+    for (i, (range, names)) in ranges.iter().zip(&plan).enumerate() {
+        let mut tensors: Vec<(String, QTensor)> = Vec::with_capacity(names.len());
+        for name in names {
+            let t = c
+                .tensor(&mut f, name, &Device::Cpu)
+                .map_err(|e| invalid(model, format!("reading tensor `{name}`: {e}")))?;
+            bar.inc(pipeshard_model::gguf::GgufFile::tensor_nbytes(&c.tensor_infos[name]) as u64);
+            tensors.push((name.clone(), t));
+        }
+        let mut meta: Vec<(String, Value)> = c
+            .metadata
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        meta.sort_by(|a, b| a.0.cmp(&b.0));
+        meta.push((keys::STAGE_INDEX.into(), Value::U32(i as u32)));
+        meta.push((keys::STAGE_COUNT.into(), Value::U32(ranges.len() as u32)));
+        meta.push((keys::LAYER_START.into(), Value::U32(range.start as u32)));
+        meta.push((keys::LAYER_END.into(), Value::U32(range.end as u32)));
+        meta.push((keys::SOURCE_SHA256.into(), Value::String(sha.clone())));
+        let file = format!("stage-{i}.gguf");
+        let path = out.join(&file);
+        {
+            let meta_refs: Vec<(&str, &Value)> =
+                meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
+            let t_refs: Vec<(&str, &QTensor)> =
+                tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+            let mut w = BufWriter::new(File::create(&path).map_err(io_err(&path))?);
+            gguf_file::write(&mut w, &meta_refs, &t_refs)
+                .map_err(|e| invalid(&path, format!("writing shard: {e}")))?;
+            w.flush().map_err(io_err(&path))?;
+        }
+        let bytes = std::fs::metadata(&path).map_err(io_err(&path))?.len();
+        let shard_sha = sha256_file(&path, &indicatif::ProgressBar::hidden())?;
+        stages.push(StageEntry {
+            index: i,
+            layers: *range,
+            file,
+            bytes,
+            sha256: shard_sha,
+        });
+    }
+    bar.finish_and_clear();
+    let manifest = Manifest {
+        format: FORMAT,
+        model: SourceEntry {
+            file: model
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            sha256: sha,
+            bytes,
+        },
+        config,
+        stages,
+    };
+    manifest.save(&out.join("manifest.json"))?;
+    Ok(manifest)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_ranges() {
+        let r = parse_layers("0..15, 15..28").unwrap();
+        assert_eq!(r, vec![LayerRange::new(0, 15), LayerRange::new(15, 28)]);
+        for bad in ["0-15", "3..3", "a..4", ""] {
+            assert!(parse_layers(bad).is_err(), "{bad}");
+        }
+    }
+}
