@@ -91,20 +91,28 @@ impl GgufFile {
         elems / info.ggml_dtype.block_size() * info.ggml_dtype.type_size()
     }
 
-    /// Reads a tensor's raw bytes; a file too short gets an error saying it is truncated.
-    pub fn read_bytes(&mut self, name: &str) -> Result<(TensorMeta, Vec<u8>), ModelError> {
+    /// A tensor's type and shape.
+    pub fn meta_of(&self, name: &str) -> Result<TensorMeta, ModelError> {
         let info = self.info(name)?;
-        let n = Self::tensor_nbytes(info);
-        let meta = TensorMeta {
+        Ok(TensorMeta {
             dtype: info.ggml_dtype,
             dims: info.shape.dims().to_vec(),
-        };
+        })
+    }
+
+    /// Reads a tensor's raw bytes into `buf` (which has the tensor's size); a file too short
+    /// gets an error saying it is truncated.
+    pub fn read_into(&mut self, name: &str, buf: &mut [u8]) -> Result<(), ModelError> {
+        let info = self.info(name)?;
+        let n = Self::tensor_nbytes(info);
+        if buf.len() != n {
+            return Err(self.err(format!("tensor `{name}` has {n} bytes, not {}", buf.len())));
+        }
         let start = self.content.tensor_data_offset + info.offset;
-        let mut buf = vec![0u8; n];
         let res = self
             .file
             .seek(SeekFrom::Start(start))
-            .and_then(|_| self.file.read_exact(&mut buf));
+            .and_then(|_| self.file.read_exact(buf));
         if let Err(e) = res {
             let msg = if e.kind() == std::io::ErrorKind::UnexpectedEof {
                 format!(
@@ -116,34 +124,28 @@ impl GgufFile {
             };
             return Err(self.err(msg));
         }
-        Ok((meta, buf))
+        Ok(())
     }
 
     /// Loads a 2-D weight `[rows, cols]` for row-wise matmul, kept in its quantized form.
     pub fn qweight(&mut self, name: &str) -> Result<QWeight, ModelError> {
-        let (info, bytes) = self.read_bytes(name)?;
+        let info = self.meta_of(name)?;
         let dims = &info.dims;
         if dims.len() != 2 {
             return Err(self.err(format!("tensor `{name}` has shape {dims:?}, expected 2-D")));
         }
-        QWeight::from_bytes(name, info.dtype, dims[0], dims[1], &bytes)
+        QWeight::read(name, info.dtype, dims[0], dims[1], |buf| {
+            self.read_into(name, buf)
+        })
     }
 
     /// Loads a 1-D tensor (norm weight, bias) as f32.
     pub fn vector(&mut self, name: &str) -> Result<Vec<f32>, ModelError> {
-        let (info, bytes) = self.read_bytes(name)?;
+        let info = self.meta_of(name)?;
         let n: usize = info.dims.iter().product();
-        match info.dtype {
-            GgmlDType::F32 => Ok(bytes
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect()),
-            _ => {
-                let w = QWeight::from_bytes(name, info.dtype, 1, n, &bytes)?;
-                let mut out = vec![0f32; n];
-                w.dequantize_row(0, &mut out);
-                Ok(out)
-            }
-        }
+        let w = QWeight::read(name, info.dtype, 1, n, |buf| self.read_into(name, buf))?;
+        let mut out = vec![0f32; n];
+        w.dequantize_row(0, &mut out);
+        Ok(out)
     }
 }

@@ -40,19 +40,21 @@ trait RowKernel: Send + Sync {
 
 struct Blocks<T: GgmlType>(Vec<T>);
 
-/// Copies raw GGUF bytes into a vector of blocks.
-fn blocks_from_bytes<T: GgmlType>(bytes: &[u8]) -> Vec<T> {
+/// Allocates `nbytes` worth of blocks and lets `fill` write their raw GGUF bytes straight
+/// into them: no second copy of the weights, even transiently.
+fn read_blocks<T: GgmlType>(
+    nbytes: usize,
+    fill: impl FnOnce(&mut [u8]) -> Result<(), ModelError>,
+) -> Result<Vec<T>, ModelError> {
     let size = std::mem::size_of::<T>();
-    let n = bytes.len() / size;
-    let mut v: Vec<T> = Vec::with_capacity(n);
+    let mut v: Vec<T> = vec![T::zeros(); nbytes / size];
     // SAFETY: every GGML block type is a `repr(C)` struct of integers, f16 and byte arrays,
-    // valid for any bit pattern; `v` has capacity for `n` blocks and we copy exactly
-    // `n * size` bytes, which `bytes` holds.
-    unsafe {
-        std::ptr::copy_nonoverlapping(bytes.as_ptr(), v.as_mut_ptr() as *mut u8, n * size);
-        v.set_len(n);
-    }
-    v
+    // valid for any bit pattern, so viewing the initialized blocks as bytes and writing any
+    // bytes into them is sound; the slice covers exactly the vector's elements.
+    let bytes =
+        unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, v.len() * size) };
+    fill(bytes)?;
+    Ok(v)
 }
 
 /// Output rows handed to one rayon task: enough work to amortize scheduling.
@@ -119,29 +121,57 @@ impl QWeight {
         cols: usize,
         bytes: &[u8],
     ) -> Result<Self, ModelError> {
+        Self::read(name, dtype, rows, cols, |buf| {
+            if buf.len() != bytes.len() {
+                return Err(ModelError::Gguf {
+                    path: Default::default(),
+                    msg: format!(
+                        "tensor `{name}`: {} bytes, expected {}",
+                        bytes.len(),
+                        buf.len()
+                    ),
+                });
+            }
+            buf.copy_from_slice(bytes);
+            Ok(())
+        })
+    }
+
+    /// Builds a `[rows, cols]` weight of type `dtype`, with `fill` writing its raw bytes.
+    pub fn read(
+        name: &str,
+        dtype: GgmlDType,
+        rows: usize,
+        cols: usize,
+        fill: impl FnOnce(&mut [u8]) -> Result<(), ModelError>,
+    ) -> Result<Self, ModelError> {
         if !cols.is_multiple_of(dtype.block_size()) {
             return Err(ModelError::UnsupportedTensorType {
                 name: name.to_string(),
                 dtype: format!("{dtype:?} with row length {cols} not a multiple of its block"),
             });
         }
-        fn b<T: GgmlType + 'static>(bytes: &[u8]) -> Box<dyn RowKernel> {
-            Box::new(Blocks::<T>(blocks_from_bytes(bytes)))
+        let nbytes = rows * cols / dtype.block_size() * dtype.type_size();
+        fn b<T: GgmlType + 'static>(
+            n: usize,
+            fill: impl FnOnce(&mut [u8]) -> Result<(), ModelError>,
+        ) -> Result<Box<dyn RowKernel>, ModelError> {
+            Ok(Box::new(Blocks::<T>(read_blocks(n, fill)?)))
         }
         let blocks = match dtype {
-            GgmlDType::F32 => b::<f32>(bytes),
-            GgmlDType::F16 => b::<f16>(bytes),
-            GgmlDType::BF16 => b::<bf16>(bytes),
-            GgmlDType::Q4_0 => b::<BlockQ4_0>(bytes),
-            GgmlDType::Q4_1 => b::<BlockQ4_1>(bytes),
-            GgmlDType::Q5_0 => b::<BlockQ5_0>(bytes),
-            GgmlDType::Q5_1 => b::<BlockQ5_1>(bytes),
-            GgmlDType::Q8_0 => b::<BlockQ8_0>(bytes),
-            GgmlDType::Q2K => b::<BlockQ2K>(bytes),
-            GgmlDType::Q3K => b::<BlockQ3K>(bytes),
-            GgmlDType::Q4K => b::<BlockQ4K>(bytes),
-            GgmlDType::Q5K => b::<BlockQ5K>(bytes),
-            GgmlDType::Q6K => b::<BlockQ6K>(bytes),
+            GgmlDType::F32 => b::<f32>(nbytes, fill)?,
+            GgmlDType::F16 => b::<f16>(nbytes, fill)?,
+            GgmlDType::BF16 => b::<bf16>(nbytes, fill)?,
+            GgmlDType::Q4_0 => b::<BlockQ4_0>(nbytes, fill)?,
+            GgmlDType::Q4_1 => b::<BlockQ4_1>(nbytes, fill)?,
+            GgmlDType::Q5_0 => b::<BlockQ5_0>(nbytes, fill)?,
+            GgmlDType::Q5_1 => b::<BlockQ5_1>(nbytes, fill)?,
+            GgmlDType::Q8_0 => b::<BlockQ8_0>(nbytes, fill)?,
+            GgmlDType::Q2K => b::<BlockQ2K>(nbytes, fill)?,
+            GgmlDType::Q3K => b::<BlockQ3K>(nbytes, fill)?,
+            GgmlDType::Q4K => b::<BlockQ4K>(nbytes, fill)?,
+            GgmlDType::Q5K => b::<BlockQ5K>(nbytes, fill)?,
+            GgmlDType::Q6K => b::<BlockQ6K>(nbytes, fill)?,
             other => {
                 return Err(ModelError::UnsupportedTensorType {
                     name: name.to_string(),
@@ -149,13 +179,6 @@ impl QWeight {
                 })
             }
         };
-        let expect = rows * cols / dtype.block_size() * dtype.type_size();
-        if bytes.len() != expect || blocks.nbytes() != expect {
-            return Err(ModelError::Gguf {
-                path: Default::default(),
-                msg: format!("tensor `{name}`: {} bytes, expected {expect}", bytes.len()),
-            });
-        }
         Ok(Self {
             rows,
             cols,
