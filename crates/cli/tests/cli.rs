@@ -194,6 +194,16 @@ fn unsupported_models_are_named() {
         "{err}"
     );
 
+    let p = tmp.path().join("cut.gguf");
+    write_tiny_gguf(&p, &TinySpec::new(Flavour::Qwen2, 1)).unwrap();
+    let bytes = std::fs::read(&p).unwrap();
+    std::fs::write(&p, &bytes[..bytes.len() - 4000]).unwrap();
+    let err = fails(&["generate", "--model", p.to_str().unwrap(), "--prompt", "hi"]);
+    assert!(
+        err.contains("cut.gguf") && err.contains("truncated"),
+        "{err}"
+    );
+
     let p = tmp.path().join("not.gguf");
     std::fs::write(&p, b"hello").unwrap();
     let err = fails(&["generate", "--model", p.to_str().unwrap(), "--prompt", "hi"]);

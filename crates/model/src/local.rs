@@ -58,7 +58,7 @@ impl LocalPipeline {
             threads.push(
                 std::thread::Builder::new()
                     .name(format!("stage-{i}"))
-                    .spawn(move || run_stage(stage, rx, downstream))
+                    .spawn(move || run_stage(i, stage, rx, downstream))
                     .map_err(|e| ModelError::InvalidBatch(format!("spawning stage {i}: {e}")))?,
             );
             next = Some(tx);
@@ -144,7 +144,7 @@ pub fn check_tiling(ranges: &[LayerRange], n_layers: usize) -> Result<()> {
     Ok(())
 }
 
-fn run_stage(stage: Stage, rx: Receiver<Job>, next: Option<Sender<Job>>) {
+fn run_stage(index: usize, stage: Stage, rx: Receiver<Job>, next: Option<Sender<Job>>) {
     let mut kv = KvStore::new();
     while let Ok(job) = rx.recv() {
         match job {
@@ -186,15 +186,11 @@ fn run_stage(stage: Stage, rx: Receiver<Job>, next: Option<Sender<Job>>) {
                             reply: reply.clone(),
                         };
                         if next.as_ref().is_none_or(|n| n.send(job).is_err()) {
-                            let _ = reply.send(Err(ModelError::StageStopped(stage_index(&stage))));
+                            let _ = reply.send(Err(ModelError::StageStopped(index + 1)));
                         }
                     }
                 }
             }
         }
     }
-}
-
-fn stage_index(stage: &Stage) -> usize {
-    stage.range().end
 }
