@@ -13,6 +13,7 @@ pub mod batch;
 pub mod config;
 pub mod error;
 pub mod gguf;
+pub mod kernels;
 pub mod kv;
 pub mod local;
 pub mod ops;
