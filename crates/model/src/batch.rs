@@ -3,6 +3,8 @@
 
 use std::fmt;
 
+use crate::error::ModelError;
+
 /// A token id in the model's vocabulary.
 pub type TokenId = u32;
 
@@ -50,6 +52,33 @@ impl LayerRange {
             start += len;
         }
         out
+    }
+}
+
+impl LayerRange {
+    /// Checks that ranges tile `0..n_layers` in order, naming the first stage that does not.
+    pub fn check_tiling(ranges: &[LayerRange], n_layers: usize) -> Result<(), ModelError> {
+        let mut expect = 0;
+        for (i, r) in ranges.iter().enumerate() {
+            if r.start != expect || r.is_empty() {
+                let what = if r.start > expect {
+                    "a gap"
+                } else {
+                    "an overlap"
+                };
+                let what = if r.is_empty() { "an empty range" } else { what };
+                return Err(ModelError::InvalidBatch(format!(
+                    "stage {i} holds layers {r}: {what} (expected it to start at layer {expect})"
+                )));
+            }
+            expect = r.end;
+        }
+        if expect != n_layers {
+            return Err(ModelError::InvalidBatch(format!(
+                "stages end at layer {expect}, the model has {n_layers}"
+            )));
+        }
+        Ok(())
     }
 }
 

@@ -49,7 +49,7 @@ impl LocalPipeline {
             .config()
             .clone();
         let ranges: Vec<LayerRange> = stages.iter().map(|s| s.range()).collect();
-        check_tiling(&ranges, config.n_layers)?;
+        LayerRange::check_tiling(&ranges, config.n_layers)?;
         let mut next: Option<Sender<Job>> = None;
         let mut threads = Vec::new();
         for (i, stage) in stages.into_iter().enumerate().rev() {
@@ -117,31 +117,6 @@ impl Drop for LocalPipeline {
             let _ = t.join();
         }
     }
-}
-
-/// Checks that ranges tile `0..n_layers` in order, naming the first stage that does not.
-pub fn check_tiling(ranges: &[LayerRange], n_layers: usize) -> Result<()> {
-    let mut expect = 0;
-    for (i, r) in ranges.iter().enumerate() {
-        if r.start != expect || r.is_empty() {
-            let what = if r.start > expect {
-                "a gap"
-            } else {
-                "an overlap"
-            };
-            let what = if r.is_empty() { "an empty range" } else { what };
-            return Err(ModelError::InvalidBatch(format!(
-                "stage {i} holds layers {r}: {what} (expected it to start at layer {expect})"
-            )));
-        }
-        expect = r.end;
-    }
-    if expect != n_layers {
-        return Err(ModelError::InvalidBatch(format!(
-            "stages end at layer {expect}, the model has {n_layers}"
-        )));
-    }
-    Ok(())
 }
 
 fn run_stage(index: usize, stage: Stage, rx: Receiver<Job>, next: Option<Sender<Job>>) {

@@ -64,7 +64,7 @@ impl Manifest {
             ));
         }
         let ranges: Vec<LayerRange> = m.stages.iter().map(|s| s.layers).collect();
-        pipeshard_model::local::check_tiling(&ranges, m.config.n_layers)
+        LayerRange::check_tiling(&ranges, m.config.n_layers)
             .map_err(|e| invalid(path, e.to_string()))?;
         for (i, s) in m.stages.iter().enumerate() {
             if s.index != i {

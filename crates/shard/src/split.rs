@@ -78,7 +78,7 @@ pub fn split(model: &Path, ranges: &[LayerRange], out: &Path, quiet: bool) -> Re
         ));
     }
     let config = ModelConfig::from_gguf(&c).map_err(|e| invalid(model, e.to_string()))?;
-    pipeshard_model::local::check_tiling(ranges, config.n_layers)
+    LayerRange::check_tiling(ranges, config.n_layers)
         .map_err(|e| ShardError::Ranges(format!("{e} (model {})", model.display())))?;
     std::fs::create_dir_all(out).map_err(io_err(out))?;
 
