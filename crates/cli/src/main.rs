@@ -3,6 +3,7 @@
 mod bench;
 mod cmd;
 mod run;
+mod serve;
 
 use clap::{Parser, Subcommand};
 
@@ -26,6 +27,12 @@ enum Command {
     Generate(cmd::GenerateArgs),
     /// Perplexity of a text file.
     Perplexity(cmd::PerplexityArgs),
+    /// Serve one shard as a stage of a ring.
+    Stage(serve::StageArgs),
+    /// The head: stage 0 in this process, the ring's remote stages, the OpenAI API.
+    Serve(serve::ServeArgs),
+    /// Everything on this machine: split, one process per stage, the head and the API.
+    Up(serve::UpArgs),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -46,6 +53,9 @@ fn main() {
         Command::Inspect(a) => cmd::inspect(a),
         Command::Generate(a) => cmd::generate(a),
         Command::Perplexity(a) => cmd::perplexity(a),
+        Command::Stage(a) => serve::stage(a),
+        Command::Serve(a) => serve::serve(a),
+        Command::Up(a) => serve::up(a),
         Command::Bench(b) => bench::run(b),
     };
     if let Err(e) = res {

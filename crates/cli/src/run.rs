@@ -5,7 +5,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use pipeshard_generate::{
     ChatMessage, ChatTemplate, Detokenizer, FinishReason, Sampler, SamplingParams, StopChecker,
-    Tokenizer,
+    TextModel, Tokenizer,
 };
 use pipeshard_model::gguf::GgufFile;
 use pipeshard_model::{LocalPipeline, LogitsWanted, SeqId, SeqLogits, SeqStep, TokenId};
@@ -27,19 +27,10 @@ impl Session {
     pub fn open(arg: &str, stages: Option<usize>, threads: usize) -> Result<Self> {
         let source = ModelSource::resolve(arg, false)?;
         let meta = GgufFile::open(&source.metadata_file())?;
-        let tokenizer = Tokenizer::from_gguf(&meta.content)?;
-        let template = match meta.meta_str("tokenizer.chat_template") {
-            Some(src) => {
-                let name = |id: Option<u32>| {
-                    id.and_then(|i| tokenizer.token(i))
-                        .unwrap_or("")
-                        .to_string()
-                };
-                let eos = tokenizer.eos().first().copied();
-                Some(ChatTemplate::new(src, &name(tokenizer.bos()), &name(eos))?)
-            }
-            None => None,
-        };
+        let TextModel {
+            tokenizer,
+            template,
+        } = TextModel::from_gguf(&meta.content)?;
         let stages = source.load_stages(stages, threads, false)?;
         let pipe = LocalPipeline::new(stages)?;
         Ok(Self {

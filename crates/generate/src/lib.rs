@@ -8,7 +8,7 @@ pub mod stop;
 pub mod tokenizer;
 
 pub use chat::{ChatMessage, ChatTemplate};
-pub use sampler::{Sampler, SamplingParams};
+pub use sampler::{logprob, sample_with, Sampler, SamplingParams};
 pub use stop::{FinishReason, StopChecker};
 pub use tokenizer::{Detokenizer, Tokenizer};
 
@@ -28,3 +28,47 @@ pub enum GenerateError {
 
 /// Result type of this crate.
 pub type Result<T, E = GenerateError> = std::result::Result<T, E>;
+
+/// The text side of a model: its tokenizer and chat template, read from GGUF metadata.
+#[derive(Debug)]
+pub struct TextModel {
+    /// The tokenizer.
+    pub tokenizer: Tokenizer,
+    /// The chat template, when the model has one.
+    pub template: Option<ChatTemplate>,
+}
+
+impl TextModel {
+    /// Builds both from a GGUF file's metadata.
+    pub fn from_gguf(c: &candle_core::quantized::gguf_file::Content) -> Result<Self> {
+        let tokenizer = Tokenizer::from_gguf(c)?;
+        let template = match c
+            .metadata
+            .get("tokenizer.chat_template")
+            .and_then(|v| v.to_string().ok())
+        {
+            Some(src) => {
+                let name = |id: Option<u32>| {
+                    id.and_then(|i| tokenizer.token(i))
+                        .unwrap_or("")
+                        .to_string()
+                };
+                let eos = tokenizer.eos().first().copied();
+                Some(ChatTemplate::new(src, &name(tokenizer.bos()), &name(eos))?)
+            }
+            None => None,
+        };
+        Ok(Self {
+            tokenizer,
+            template,
+        })
+    }
+
+    /// Renders a conversation with the chat template.
+    pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String> {
+        self.template
+            .as_ref()
+            .ok_or_else(|| GenerateError::Template("the model has no chat template".into()))?
+            .render(messages)
+    }
+}

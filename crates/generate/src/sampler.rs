@@ -70,49 +70,74 @@ impl Sampler {
     /// Picks a token.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         if self.params.temperature <= 0.0 {
-            return pipeshard_model::batch::argmax(logits);
-        }
-        let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
-        // Highest logit first, lowest id on ties: a fixed order.
-        idx.sort_by(|&a, &b| {
-            logits[b as usize]
-                .total_cmp(&logits[a as usize])
-                .then(a.cmp(&b))
-        });
-        if self.params.top_k > 0 {
-            idx.truncate(self.params.top_k);
-        }
-        let max = logits[idx[0] as usize];
-        let mut probs: Vec<f32> = idx
-            .iter()
-            .map(|&i| ((logits[i as usize] - max) / self.params.temperature).exp())
-            .collect();
-        let sum: f32 = probs.iter().sum();
-        probs.iter_mut().for_each(|p| *p /= sum);
-        if self.params.top_p < 1.0 {
-            let mut acc = 0.0;
-            let mut keep = probs.len();
-            for (i, p) in probs.iter().enumerate() {
-                acc += p;
-                if acc >= self.params.top_p {
-                    keep = i + 1;
-                    break;
-                }
-            }
-            probs.truncate(keep);
-            let s: f32 = probs.iter().sum();
-            probs.iter_mut().for_each(|p| *p /= s);
+            return sample_with(&self.params, logits, 0.0);
         }
         let u: f32 = self.rng.random();
+        sample_with(&self.params, logits, u)
+    }
+
+    /// The next uniform draw, for a sampler that runs elsewhere (the ring's last stage);
+    /// [`sample_with`] on that draw picks what [`Sampler::sample`] would have.
+    pub fn next_uniform(&mut self) -> f32 {
+        if self.params.temperature <= 0.0 {
+            return 0.0;
+        }
+        self.rng.random()
+    }
+}
+
+/// Picks a token from `logits` with the uniform draw `u` in [0, 1): pure, so the draw can be
+/// made on the head and the choice on the last stage.
+pub fn sample_with(params: &SamplingParams, logits: &[f32], u: f32) -> u32 {
+    if params.temperature <= 0.0 {
+        return pipeshard_model::batch::argmax(logits);
+    }
+    let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+    // Highest logit first, lowest id on ties: a fixed order.
+    idx.sort_by(|&a, &b| {
+        logits[b as usize]
+            .total_cmp(&logits[a as usize])
+            .then(a.cmp(&b))
+    });
+    if params.top_k > 0 {
+        idx.truncate(params.top_k);
+    }
+    let max = logits[idx[0] as usize];
+    let mut probs: Vec<f32> = idx
+        .iter()
+        .map(|&i| ((logits[i as usize] - max) / params.temperature).exp())
+        .collect();
+    let sum: f32 = probs.iter().sum();
+    probs.iter_mut().for_each(|p| *p /= sum);
+    if params.top_p > 0.0 && params.top_p < 1.0 {
         let mut acc = 0.0;
+        let mut keep = probs.len();
         for (i, p) in probs.iter().enumerate() {
             acc += p;
-            if u < acc {
-                return idx[i];
+            if acc >= params.top_p {
+                keep = i + 1;
+                break;
             }
         }
-        idx[probs.len() - 1]
+        probs.truncate(keep);
+        let s: f32 = probs.iter().sum();
+        probs.iter_mut().for_each(|p| *p /= s);
     }
+    let mut acc = 0.0;
+    for (i, p) in probs.iter().enumerate() {
+        acc += p;
+        if u < acc {
+            return idx[i];
+        }
+    }
+    idx[probs.len() - 1]
+}
+
+/// Natural-log probability of `token` under `logits` (softmax at temperature 1).
+pub fn logprob(logits: &[f32], token: u32) -> f32 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&x| ((x - max) as f64).exp()).sum();
+    (logits[token as usize] - max) - sum.ln() as f32
 }
 
 #[cfg(test)]
@@ -161,6 +186,24 @@ mod tests {
         let logits = [5.0, 0.0, 0.0];
         let mut s = Sampler::new(params(1.0, 0, 0.5, 1)).unwrap();
         assert!((0..200).all(|_| s.sample(&logits) == 0));
+    }
+
+    #[test]
+    fn a_sampler_and_its_draws_agree() {
+        let logits: Vec<f32> = (0..40).map(|i| ((i * 11) % 17) as f32 * 0.2).collect();
+        let p = params(0.9, 12, 0.95, 21);
+        let mut local = Sampler::new(p.clone()).unwrap();
+        let mut draws = Sampler::new(p.clone()).unwrap();
+        for _ in 0..50 {
+            let u = draws.next_uniform();
+            assert_eq!(local.sample(&logits), sample_with(&p, &logits, u));
+        }
+    }
+
+    #[test]
+    fn logprob_is_log_softmax() {
+        let lp = logprob(&[0.0, 3f32.ln()], 1);
+        assert!((lp - 0.75f32.ln()).abs() < 1e-6, "{lp}");
     }
 
     #[test]

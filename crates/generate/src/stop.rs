@@ -87,6 +87,19 @@ impl StopChecker {
         (out, None)
     }
 
+    /// Text still held back (a possible stop-string start), now released because generation
+    /// ended another way (an end-of-sequence token).
+    pub fn flush(&mut self) -> String {
+        let rest = self.text[self.emitted..].to_string();
+        self.emitted = self.text.len();
+        rest
+    }
+
+    /// Number of tokens pushed.
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+
     /// The whole text produced (cut at a stop string).
     pub fn text(&self) -> &str {
         &self.text
@@ -113,6 +126,14 @@ mod tests {
         assert_eq!(shown, "Hello world");
         assert_eq!(s.text(), "Hello world");
         assert_eq!(reason, Some(FinishReason::Stop));
+    }
+
+    #[test]
+    fn flush_releases_held_text_at_eos() {
+        let mut s = StopChecker::new(&[7], &["abc".to_string()], 10);
+        assert_eq!(s.push("x a").0, "x ");
+        assert_eq!(s.flush(), "a");
+        assert_eq!(s.flush(), "");
     }
 
     #[test]

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use sha2::{Digest, Sha256};
 
 pub use fetch::{cache_dir, fetch, known_model, KnownModel, KNOWN_MODELS};
-pub use manifest::{Manifest, StageEntry};
+pub use manifest::{Manifest, ShardIdentity, StageEntry};
 pub use source::ModelSource;
 pub use split::{parse_layers, split};
 

@@ -95,6 +95,20 @@ impl Manifest {
     /// model's identity and its own stage's range. Errors name the file and what is wrong.
     pub fn verify(&self, manifest_path: &Path, hash: bool, quiet: bool) -> Result<()> {
         for s in &self.stages {
+            self.verify_stage(manifest_path, s, hash, quiet)?;
+        }
+        Ok(())
+    }
+
+    /// Checks one stage's shard: present, full size, the right identity and (if `hash`) sha256.
+    pub fn verify_stage(
+        &self,
+        manifest_path: &Path,
+        s: &StageEntry,
+        hash: bool,
+        quiet: bool,
+    ) -> Result<()> {
+        {
             let p = Self::stage_path(manifest_path, s);
             let meta = std::fs::metadata(&p)
                 .map_err(|e| invalid(&p, format!("stage {} shard is missing: {e}", s.index)))?;
@@ -133,6 +147,51 @@ impl Manifest {
     }
 }
 
+/// Who a shard says it is: its `pipeshard.*` metadata.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardIdentity {
+    /// Position in the ring.
+    pub index: usize,
+    /// Number of stages of the split.
+    pub count: usize,
+    /// Layers held.
+    pub layers: LayerRange,
+    /// sha256 of the source model file.
+    pub source_sha256: String,
+}
+
+impl ShardIdentity {
+    /// Reads a shard's identity; fails on a file that is not a pipeshard shard.
+    pub fn read(path: &Path) -> Result<Self> {
+        let mut f = std::fs::File::open(path).map_err(io_err(path))?;
+        let c = Content::read(&mut f)
+            .map_err(|e| invalid(path, format!("not a readable GGUF: {e}")))?;
+        Self::from_content(path, &c)
+    }
+
+    fn from_content(path: &Path, c: &Content) -> Result<Self> {
+        let num = |k: &str| {
+            c.metadata
+                .get(k)
+                .and_then(|v| v.to_u32().ok())
+                .map(|v| v as usize)
+                .ok_or_else(|| invalid(path, format!("not a pipeshard shard (no {k})")))
+        };
+        let source_sha256 = c
+            .metadata
+            .get(keys::SOURCE_SHA256)
+            .and_then(|v| v.to_string().ok())
+            .cloned()
+            .ok_or_else(|| invalid(path, "not a pipeshard shard (no pipeshard.source_sha256)"))?;
+        Ok(Self {
+            index: num(keys::STAGE_INDEX)?,
+            count: num(keys::STAGE_COUNT)?,
+            layers: LayerRange::new(num(keys::LAYER_START)?, num(keys::LAYER_END)?),
+            source_sha256,
+        })
+    }
+}
+
 /// Checks a shard's `pipeshard.*` metadata against what it should hold.
 pub fn check_shard_identity(
     path: &Path,
@@ -141,49 +200,22 @@ pub fn check_shard_identity(
     layers: LayerRange,
     source_sha: &str,
 ) -> Result<()> {
-    let mut f = std::fs::File::open(path).map_err(io_err(path))?;
-    let c =
-        Content::read(&mut f).map_err(|e| invalid(path, format!("not a readable GGUF: {e}")))?;
-    let num = |k: &str| {
-        c.metadata
-            .get(k)
-            .and_then(|v| v.to_u32().ok())
-            .map(|v| v as usize)
-    };
-    let sha = c
-        .metadata
-        .get(keys::SOURCE_SHA256)
-        .and_then(|v| v.to_string().ok());
-    let Some(sha) = sha else {
-        return Err(invalid(
-            path,
-            "not a pipeshard shard (no pipeshard.source_sha256)",
-        ));
-    };
-    if sha != source_sha {
-        return Err(invalid(
-            path,
-            format!("shard of another model: source sha256 {sha}, expected {source_sha}"),
-        ));
-    }
-    let got = (
-        num(keys::STAGE_INDEX),
-        num(keys::STAGE_COUNT),
-        num(keys::LAYER_START),
-        num(keys::LAYER_END),
-    );
-    let want = (
-        Some(index),
-        Some(count),
-        Some(layers.start),
-        Some(layers.end),
-    );
-    if got != want {
+    let id = ShardIdentity::read(path)?;
+    if id.source_sha256 != source_sha {
         return Err(invalid(
             path,
             format!(
-                "shard metadata says stage {:?} of {:?}, layers {:?}..{:?}; expected stage {index} of {count}, layers {layers}",
-                got.0, got.1, got.2, got.3
+                "shard of another model: source sha256 {}, expected {source_sha}",
+                id.source_sha256
+            ),
+        ));
+    }
+    if (id.index, id.count, id.layers) != (index, count, layers) {
+        return Err(invalid(
+            path,
+            format!(
+                "shard metadata says stage {} of {}, layers {}; expected stage {index} of {count}, layers {layers}",
+                id.index, id.count, id.layers
             ),
         ));
     }

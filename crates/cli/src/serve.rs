@@ -1,0 +1,661 @@
+//! The distributed commands: `stage` (one shard behind a gRPC port), `serve` (the head: stage 0,
+//! the scheduler and the OpenAI API), and `up` (everything on this machine, one process per
+//! stage on loopback).
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use pipeshard_api::ApiConfig;
+use pipeshard_generate::{ChatMessage, SamplingParams, TextModel};
+use pipeshard_head::{GenEvent, GenRequest, HeadConfig, HeadHandle, LocalStage, ServedModel};
+use pipeshard_model::gguf::GgufFile;
+use pipeshard_model::Stage;
+use pipeshard_shard::{Manifest, ModelSource, ShardIdentity};
+use pipeshard_stage::{
+    serve_stage, spawn_link, spawn_worker, stage_info, LinkTarget, StageIdentity, StageService,
+    WorkerConfig,
+};
+use pipeshard_wire::{read_token_file, AddToken, Limits, WireDtype};
+use tokio::net::TcpListener;
+
+use crate::cmd::DEFAULT_MODEL;
+
+/// Knobs of every ring link.
+#[derive(Args, Debug, Clone)]
+pub struct LinkArgs {
+    /// File holding the cluster token (the same on every node).
+    #[arg(long, env = "PIPESHARD_TOKEN_FILE")]
+    pub token_file: PathBuf,
+    /// Element type of hidden states sent on: f32 (exact), f16 or bf16 (half the bytes).
+    #[arg(long, default_value = "f32")]
+    pub wire_dtype: WireDtype,
+    /// Largest message accepted or sent, MiB.
+    #[arg(long, default_value_t = 64)]
+    pub max_message_mib: usize,
+    /// Most token rows in one step.
+    #[arg(long, default_value_t = 4096)]
+    pub max_step_tokens: usize,
+    /// Most sequences in one step.
+    #[arg(long, default_value_t = 256)]
+    pub max_step_seqs: usize,
+}
+
+impl LinkArgs {
+    fn limits(&self) -> Limits {
+        Limits {
+            max_message_bytes: self.max_message_mib << 20,
+            max_tokens_per_step: self.max_step_tokens,
+            max_seqs_per_step: self.max_step_seqs,
+        }
+    }
+}
+
+#[derive(Args, Debug)]
+pub struct StageArgs {
+    /// The shard this stage serves (written by `pipeshard split`).
+    #[arg(long)]
+    pub shard: PathBuf,
+    /// Address to listen on for the previous node's frames.
+    #[arg(long, default_value = "0.0.0.0:7001")]
+    pub listen: String,
+    /// The next node: the next stage, or the head's ring address for the last stage.
+    #[arg(long)]
+    pub next: String,
+    #[command(flatten)]
+    pub link: LinkArgs,
+    /// Compute threads.
+    #[arg(long, default_value_t = 1)]
+    pub threads: usize,
+    /// Pin this process to one CPU core.
+    #[arg(long)]
+    pub cpu: Option<usize>,
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
+fn pin(cpu: usize) -> Result<()> {
+    let ok = core_affinity::set_for_current(core_affinity::CoreId { id: cpu });
+    if !ok {
+        bail!("cannot pin to CPU core {cpu}");
+    }
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        {
+            Ok(t) => t,
+            Err(_) => {
+                let _ = ctrl_c.await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}
+
+pub fn stage(a: StageArgs) -> Result<()> {
+    if let Some(c) = a.cpu {
+        pin(c)?;
+    }
+    let token = read_token_file(&a.link.token_file)?;
+    let id = ShardIdentity::read(&a.shard)?;
+    let mut stage = Stage::load(&a.shard, None)?;
+    stage.set_threads(a.threads)?;
+    let identity = StageIdentity {
+        index: id.index,
+        count: id.count,
+        model_sha256: id.source_sha256,
+    };
+    let limits = a.link.limits();
+    let rt = runtime()?;
+    rt.block_on(async move {
+        let listener = TcpListener::bind(&a.listen)
+            .await
+            .with_context(|| format!("listening on {}", a.listen))?;
+        let addr = listener.local_addr()?;
+        let target = if stage.is_last() {
+            LinkTarget::Head(a.next.clone())
+        } else {
+            LinkTarget::Stage(a.next.clone())
+        };
+        let info = stage_info(&stage, &identity, a.link.wire_dtype, &a.next);
+        eprintln!(
+            "stage {} of {}: layers {}..{} of {}, {} MB of weights, sending to {}",
+            identity.index,
+            identity.count,
+            info.layer_start,
+            info.layer_end,
+            info.n_layers,
+            info.weight_bytes / 1_000_000,
+            a.next
+        );
+        let out = spawn_link(target, AddToken::new(&token)?, limits);
+        let worker = spawn_worker(
+            stage,
+            WorkerConfig {
+                index: identity.index,
+                wire_dtype: a.link.wire_dtype,
+                limits,
+            },
+            out,
+        )?;
+        // `up` reads this line to learn the port.
+        println!("listening on {addr}");
+        std::io::stdout().flush()?;
+        serve_stage(
+            StageService::new(worker, info),
+            listener,
+            &token,
+            limits,
+            shutdown_signal(),
+        )
+        .await?;
+        eprintln!("stage {}: stopped", identity.index);
+        Ok(())
+    })
+}
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// The manifest written by `pipeshard split` (stage 0 runs in this process).
+    #[arg(long)]
+    pub manifest: PathBuf,
+    /// The remote stages 1.., in ring order (`host:port`, repeated).
+    #[arg(long = "stage")]
+    pub stages: Vec<String>,
+    /// Address of the HTTP API.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    pub listen: String,
+    /// Address where the last stage delivers results.
+    #[arg(long, default_value = "0.0.0.0:7000")]
+    pub ring_listen: String,
+    #[command(flatten)]
+    pub link: LinkArgs,
+    #[command(flatten)]
+    pub head: HeadArgs,
+}
+
+/// Knobs of the head.
+#[derive(Args, Debug, Clone)]
+pub struct HeadArgs {
+    /// The model name clients use (default: the model file's name without `.gguf`).
+    #[arg(long)]
+    pub model_name: Option<String>,
+    /// Compute threads of the local stage 0.
+    #[arg(long, default_value_t = 1)]
+    pub threads: usize,
+    /// Longest prompt chunk in one step.
+    #[arg(long, default_value_t = 256)]
+    pub prefill_chunk: usize,
+    /// Largest HTTP request body, KiB.
+    #[arg(long, default_value_t = 1024)]
+    pub max_body_kib: usize,
+    /// Seconds a step may take round the ring before its requests fail.
+    #[arg(long, default_value_t = 300)]
+    pub step_timeout_s: u64,
+}
+
+/// Loads stage 0 of a manifest and the text model; checks the shard against the manifest.
+fn load_head_side(
+    manifest_path: &Path,
+    threads: usize,
+    name: Option<String>,
+) -> Result<(LocalStage, ServedModel, Manifest)> {
+    let manifest = Manifest::load(manifest_path)?;
+    let entry = &manifest.stages[0];
+    manifest.verify_stage(manifest_path, entry, false, true)?;
+    let path = Manifest::stage_path(manifest_path, entry);
+    let meta = GgufFile::open(&path)?;
+    let text = TextModel::from_gguf(&meta.content)?;
+    let mut stage = Stage::load(&path, Some(entry.layers))?;
+    stage.set_threads(threads)?;
+    let ctx_len = stage.config().ctx_len;
+    let name = name.unwrap_or_else(|| {
+        manifest
+            .model
+            .file
+            .trim_end_matches(".gguf")
+            .to_string()
+    });
+    let local = LocalStage {
+        stage,
+        identity: StageIdentity {
+            index: 0,
+            count: manifest.stages.len(),
+            model_sha256: manifest.model.sha256.clone(),
+        },
+    };
+    let model = ServedModel {
+        name,
+        text,
+        ctx_len,
+        sha256: manifest.model.sha256.clone(),
+    };
+    Ok((local, model, manifest))
+}
+
+fn head_config(link: &LinkArgs, head: &HeadArgs, remote: Vec<String>, token: String) -> HeadConfig {
+    HeadConfig {
+        remote,
+        token,
+        limits: link.limits(),
+        wire_dtype: link.wire_dtype,
+        prefill_chunk: head.prefill_chunk,
+        step_timeout: Duration::from_secs(head.step_timeout_s),
+        ..HeadConfig::default()
+    }
+}
+
+async fn serve_api(head: HeadHandle, listener: TcpListener, max_body: usize) -> Result<()> {
+    let app = pipeshard_api::router(
+        head,
+        ApiConfig {
+            max_body_bytes: max_body,
+        },
+    );
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown_signal())
+        .await
+        .context("serving the API")
+}
+
+pub fn serve(a: ServeArgs) -> Result<()> {
+    let token = read_token_file(&a.link.token_file)?;
+    let (local, model, manifest) =
+        load_head_side(&a.manifest, a.head.threads, a.head.model_name.clone())?;
+    let want = manifest.stages.len() - 1;
+    if a.stages.len() != want {
+        bail!(
+            "the manifest has {} stages: give --stage for each of stages 1..{} ({want} addresses), not {}",
+            manifest.stages.len(),
+            manifest.stages.len() - 1,
+            a.stages.len()
+        );
+    }
+    let config = head_config(&a.link, &a.head, a.stages.clone(), token);
+    runtime()?.block_on(async move {
+        let ring = TcpListener::bind(&a.ring_listen)
+            .await
+            .with_context(|| format!("listening on {}", a.ring_listen))?;
+        let head = pipeshard_head::start(local, model, ring, config).await?;
+        let api = TcpListener::bind(&a.listen)
+            .await
+            .with_context(|| format!("listening on {}", a.listen))?;
+        let addr = api.local_addr()?;
+        println!("serving {} at http://{addr}/v1", head.model().name);
+        std::io::stdout().flush()?;
+        serve_api(head, api, a.head.max_body_kib << 10).await
+    })
+}
+
+#[derive(Args, Debug)]
+pub struct UpArgs {
+    /// A known model name, a GGUF file or a manifest.
+    #[arg(long, default_value = DEFAULT_MODEL)]
+    pub model: String,
+    /// Number of stages (one process each; stage 0 runs in this one).
+    #[arg(long, default_value_t = 3)]
+    pub stages: usize,
+    /// HTTP port of the API (0: any free port).
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// Address of the API.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Run one request through the ring, print it and exit.
+    #[arg(long)]
+    pub prompt: Option<String>,
+    /// With --prompt: render it with the chat template.
+    #[arg(long)]
+    pub chat: bool,
+    /// With --prompt: tokens to generate.
+    #[arg(long, default_value_t = 64)]
+    pub max_tokens: usize,
+    /// With --prompt: sampling temperature (0: greedy).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// With --prompt: seed.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// With --prompt: print the result as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Compute threads per stage.
+    #[arg(long, default_value_t = 1)]
+    pub threads: usize,
+    /// Pin each stage to its own core: auto (when there are enough cores), on, off.
+    #[arg(long, default_value = "auto")]
+    pub pin: String,
+    /// Element type of hidden states between stages.
+    #[arg(long, default_value = "f32")]
+    pub wire_dtype: WireDtype,
+}
+
+/// Stage processes started by `up`; stopped (SIGTERM, then SIGKILL) when dropped.
+struct Children(Vec<Child>);
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        // In ring order (they were started last to first), each after its predecessor.
+        for c in self.0.iter_mut().rev() {
+            #[cfg(unix)]
+            // SAFETY: kill(2) on a child's pid that we have not yet reaped.
+            unsafe {
+                libc::kill(c.id() as libc::pid_t, libc::SIGTERM);
+            }
+            let deadline = std::time::Instant::now() + Duration::from_secs(3);
+            while std::time::Instant::now() < deadline {
+                if let Ok(Some(_)) = c.try_wait() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Splits the model into `n` stages under the cache (once), returning the manifest's path.
+fn ensure_split(model: &str, n: usize) -> Result<PathBuf> {
+    let source = ModelSource::resolve(model, false)?;
+    let gguf = match source {
+        ModelSource::Manifest { path, manifest } => {
+            if manifest.stages.len() != n {
+                bail!(
+                    "{} has {} stages, not {n}",
+                    path.display(),
+                    manifest.stages.len()
+                );
+            }
+            return Ok(path);
+        }
+        ModelSource::Gguf(p) => p,
+    };
+    let stem = gguf
+        .file_stem()
+        .map(|s| s.to_string_lossy().to_string())
+        .unwrap_or_else(|| "model".into());
+    let dir = pipeshard_shard::cache_dir()
+        .join("shards")
+        .join(format!("{stem}-{n}"));
+    let manifest_path = dir.join("manifest.json");
+    let size = std::fs::metadata(&gguf)?.len();
+    if let Ok(m) = Manifest::load(&manifest_path) {
+        if m.model.bytes == size && m.stages.len() == n && m.verify(&manifest_path, false, true).is_ok()
+        {
+            return Ok(manifest_path);
+        }
+    }
+    let g = GgufFile::open(&gguf)?;
+    let c = pipeshard_model::ModelConfig::from_gguf(&g.content)?;
+    if n == 0 || n > c.n_layers {
+        bail!("cannot split {} layers into {n} stages", c.n_layers);
+    }
+    eprintln!("splitting {} into {n} stages in {}", gguf.display(), dir.display());
+    pipeshard_shard::split(
+        &gguf,
+        &pipeshard_model::LayerRange::even_split(c.n_layers, n),
+        &dir,
+        false,
+    )?;
+    Ok(manifest_path)
+}
+
+/// Writes a fresh random cluster token, readable only by this user.
+fn write_token(path: &Path) -> Result<()> {
+    use rand::Rng;
+    let mut rng = rand::rng();
+    let token: String = (0..32)
+        .map(|_| char::from_digit(rng.random_range(0..16), 16).unwrap_or('0'))
+        .collect();
+    std::fs::write(path, format!("{token}\n"))
+        .with_context(|| format!("writing {}", path.display()))?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    }
+    Ok(())
+}
+
+/// Starts one stage process and waits for the port it listens on.
+fn spawn_stage(
+    shard: &Path,
+    next: &str,
+    token_file: &Path,
+    threads: usize,
+    cpu: Option<usize>,
+    wire: WireDtype,
+) -> Result<(Child, String)> {
+    let exe = std::env::current_exe().context("finding the pipeshard binary")?;
+    let mut cmd = Command::new(exe);
+    cmd.arg("stage")
+        .arg("--shard")
+        .arg(shard)
+        .args(["--listen", "127.0.0.1:0", "--next", next])
+        .arg("--token-file")
+        .arg(token_file)
+        .args(["--threads", &threads.to_string()])
+        .args([
+            "--wire-dtype",
+            match wire {
+                WireDtype::F32 => "f32",
+                WireDtype::F16 => "f16",
+                WireDtype::Bf16 => "bf16",
+            },
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    if let Some(c) = cpu {
+        cmd.args(["--cpu", &c.to_string()]);
+    }
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: prctl is async-signal-safe; it asks the kernel to stop the stage when
+        // this process dies, so no stage outlives `up`.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+                Ok(())
+            });
+        }
+    }
+    let mut child = cmd.spawn().context("starting a stage process")?;
+    let stdout = child.stdout.take().context("the stage's stdout")?;
+    let mut line = String::new();
+    BufReader::new(stdout).read_line(&mut line)?;
+    let Some(addr) = line.trim().strip_prefix("listening on ") else {
+        let _ = child.kill();
+        let status = child.wait()?;
+        bail!(
+            "the stage for {} did not start ({status}); see its messages above",
+            shard.display()
+        );
+    };
+    Ok((child, addr.to_string()))
+}
+
+pub fn up(a: UpArgs) -> Result<()> {
+    let manifest_path = ensure_split(&a.model, a.stages)?;
+    let manifest = Manifest::load(&manifest_path)?;
+    let dir = manifest_path
+        .parent()
+        .context("the manifest's folder")?
+        .to_path_buf();
+    let token_file = dir.join("cluster.token");
+    write_token(&token_file)?;
+    let token = read_token_file(&token_file)?;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let pin_each = match a.pin.as_str() {
+        "on" => true,
+        "off" => false,
+        "auto" => cores >= a.stages * a.threads.max(1),
+        other => bail!("--pin takes auto, on or off, not `{other}`"),
+    };
+    // Stages are started last to first, each told where its successor listens.
+    let ring = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let ring_addr = ring.local_addr()?.to_string();
+    let mut children = Children(Vec::new());
+    let mut addrs = vec![String::new(); a.stages];
+    let mut next = ring_addr.clone();
+    for s in manifest.stages.iter().skip(1).rev() {
+        let cpu = pin_each.then_some(s.index * a.threads.max(1));
+        let (child, addr) = spawn_stage(
+            &Manifest::stage_path(&manifest_path, s),
+            &next,
+            &token_file,
+            a.threads,
+            cpu,
+            a.wire_dtype,
+        )?;
+        children.0.push(child);
+        addrs[s.index] = addr.clone();
+        next = addr;
+    }
+    if pin_each {
+        pin(0)?;
+    }
+    let name = known_name(&a.model);
+    let (local, model, _) = load_head_side(&manifest_path, a.threads, name)?;
+    let link = LinkArgs {
+        token_file: token_file.clone(),
+        wire_dtype: a.wire_dtype,
+        max_message_mib: 64,
+        max_step_tokens: 4096,
+        max_step_seqs: 256,
+    };
+    let head_args = HeadArgs {
+        model_name: None,
+        threads: a.threads,
+        prefill_chunk: 256,
+        max_body_kib: 1024,
+        step_timeout_s: 300,
+    };
+    let config = head_config(&link, &head_args, addrs[1..].to_vec(), token);
+    let result = runtime()?.block_on(async move {
+        ring.set_nonblocking(true)?;
+        let ring = TcpListener::from_std(ring)?;
+        let head = pipeshard_head::start(local, model, ring, config).await?;
+        match &a.prompt {
+            Some(p) => one_request(&head, p, &a).await,
+            None => {
+                let api = TcpListener::bind((a.host.as_str(), a.port))
+                    .await
+                    .with_context(|| format!("listening on {}:{}", a.host, a.port))?;
+                let addr: SocketAddr = api.local_addr()?;
+                println!(
+                    "pipeshard: {} on {} stages at http://{addr}/v1 (Ctrl-C stops)",
+                    head.model().name,
+                    a.stages
+                );
+                std::io::stdout().flush()?;
+                serve_api(head, api, 1 << 20).await
+            }
+        }
+    });
+    drop(children);
+    result
+}
+
+fn known_name(model: &str) -> Option<String> {
+    pipeshard_shard::known_model(model).map(|m| m.name.to_string())
+}
+
+async fn one_request(head: &HeadHandle, prompt: &str, a: &UpArgs) -> Result<()> {
+    let text = &head.model().text;
+    let rendered = if a.chat {
+        text.render_chat(&[ChatMessage::new("user", prompt)])?
+    } else {
+        prompt.to_string()
+    };
+    let ids = text.tokenizer.encode(&rendered)?;
+    let max_tokens = a.max_tokens.min(head.model().ctx_len.saturating_sub(ids.len()));
+    let started = std::time::Instant::now();
+    let mut rx = head.submit(GenRequest {
+        prompt: ids,
+        sampling: SamplingParams {
+            temperature: a.temperature,
+            seed: a.seed,
+            ..SamplingParams::default()
+        },
+        max_tokens,
+        stops: vec![],
+        logprobs: false,
+    })?;
+    let mut out = std::io::stdout();
+    let mut all = String::new();
+    let mut tokens = Vec::new();
+    let mut first_token = None;
+    loop {
+        match rx.recv().await {
+            Some(GenEvent::Text { text, token, .. }) => {
+                first_token.get_or_insert_with(|| started.elapsed());
+                if let Some(t) = token {
+                    tokens.push(t);
+                }
+                if !a.json {
+                    print!("{text}");
+                    out.flush()?;
+                }
+                all.push_str(&text);
+            }
+            Some(GenEvent::Done {
+                finish,
+                usage,
+                stage_compute_us,
+            }) => {
+                let total = started.elapsed().as_secs_f64();
+                let ttft = first_token.unwrap_or_default().as_secs_f64();
+                let decode_tok_s = if usage.completion_tokens > 1 {
+                    (usage.completion_tokens - 1) as f64 / (total - ttft).max(1e-9)
+                } else {
+                    0.0
+                };
+                if a.json {
+                    let v = serde_json::json!({
+                        "text": all, "tokens": tokens, "finish_reason": finish, "usage": usage,
+                        "ttft_ms": ttft * 1e3, "decode_tok_s": decode_tok_s,
+                        "stage_compute_ms": stage_compute_us.iter().map(|u| *u as f64 / 1e3).collect::<Vec<_>>(),
+                    });
+                    println!("{v}");
+                } else {
+                    println!();
+                    eprintln!(
+                        "[{} prompt + {} generated tokens, first token {:.0} ms, {decode_tok_s:.1} tok/s, finish: {finish:?}; compute per stage (ms): {:?}]",
+                        usage.prompt_tokens,
+                        usage.completion_tokens,
+                        ttft * 1e3,
+                        stage_compute_us.iter().map(|u| u / 1000).collect::<Vec<_>>()
+                    );
+                }
+                return Ok(());
+            }
+            Some(GenEvent::Error(e)) => bail!("generation failed: {e}"),
+            None => bail!("the head stopped"),
+        }
+    }
+}

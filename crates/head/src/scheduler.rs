@@ -1,0 +1,370 @@
+//! The scheduler, an actor: it owns every sequence's state, builds each step from the active
+//! sequences (decode rows and prompt chunks in one forward pass), sends it to stage 0 and
+//! turns the returned token ids into text events. One step is in the ring at a time here;
+//! micro-batch groups that keep every stage busy build on this.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use pipeshard_generate::{Detokenizer, FinishReason, Sampler, StopChecker};
+use pipeshard_stage::Worker;
+use pipeshard_wire::pb::{self, frame::Kind};
+use tokio::sync::{mpsc, watch};
+
+use crate::{GenEvent, GenRequest, HeadConfig, RingStatus, ServedModel, Usage};
+
+pub(crate) enum Command {
+    Submit {
+        req: GenRequest,
+        events: mpsc::UnboundedSender<GenEvent>,
+    },
+}
+
+struct Seq {
+    req: GenRequest,
+    events: mpsc::UnboundedSender<GenEvent>,
+    /// Positions already in the stages' caches.
+    fed: usize,
+    /// The last chosen token, not yet fed.
+    next_input: Option<u32>,
+    draws: Sampler,
+    stop: StopChecker,
+    detok: Detokenizer,
+    generated: usize,
+    stage_us: Vec<u64>,
+}
+
+struct InFlight {
+    batch_id: u64,
+    /// Each sequence in the step and how many tokens it fed.
+    seqs: Vec<(u64, usize)>,
+    deadline: tokio::time::Instant,
+}
+
+/// Everything the actor owns; synchronous, so it is tested without a runtime.
+pub(crate) struct State {
+    model: Arc<ServedModel>,
+    seqs: BTreeMap<u64, Seq>,
+    in_flight: Option<InFlight>,
+    next_seq: u64,
+    next_batch: u64,
+    chunk: usize,
+    max_rows: usize,
+    step_timeout: std::time::Duration,
+}
+
+impl State {
+    pub fn new(model: Arc<ServedModel>, config: &HeadConfig) -> Self {
+        Self {
+            model,
+            seqs: BTreeMap::new(),
+            in_flight: None,
+            next_seq: 0,
+            next_batch: 0,
+            chunk: config.prefill_chunk.max(1),
+            max_rows: config.limits.max_tokens_per_step.max(1),
+            step_timeout: config.step_timeout,
+        }
+    }
+
+    pub fn admit(&mut self, req: GenRequest, events: mpsc::UnboundedSender<GenEvent>) {
+        let draws = match Sampler::new(req.sampling.clone()) {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = events.send(GenEvent::Error(e.to_string()));
+                return;
+            }
+        };
+        self.next_seq += 1;
+        let stop = StopChecker::new(self.model.text.tokenizer.eos(), &req.stops, req.max_tokens);
+        self.seqs.insert(
+            self.next_seq,
+            Seq {
+                req,
+                events,
+                fed: 0,
+                next_input: None,
+                draws,
+                stop,
+                detok: Detokenizer::new(),
+                generated: 0,
+                stage_us: vec![],
+            },
+        );
+    }
+
+    /// Drops sequences whose client went away (not while their step is in the ring).
+    pub fn reap_cancelled(&mut self) -> Vec<u64> {
+        let busy: Vec<u64> = self
+            .in_flight
+            .iter()
+            .flat_map(|f| f.seqs.iter().map(|s| s.0))
+            .collect();
+        let gone: Vec<u64> = self
+            .seqs
+            .iter()
+            .filter(|(id, s)| s.events.is_closed() && !busy.contains(id))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in &gone {
+            self.seqs.remove(id);
+            tracing::info!(seq = id, "client went away; sequence cancelled");
+        }
+        gone
+    }
+
+    /// The next step, when none is in the ring and some sequence has work.
+    pub fn next_step(&mut self) -> Option<pb::Step> {
+        if self.in_flight.is_some() || self.seqs.is_empty() {
+            return None;
+        }
+        let mut step = pb::Step::default();
+        let mut fed = Vec::new();
+        let mut rows = 0;
+        // Decoding sequences first (one row each), then prompt chunks in arrival order.
+        let mut order: Vec<u64> = self
+            .seqs
+            .iter()
+            .filter(|(_, s)| s.next_input.is_some())
+            .map(|(id, _)| *id)
+            .collect();
+        order.extend(
+            self.seqs
+                .iter()
+                .filter(|(_, s)| s.next_input.is_none())
+                .map(|(id, _)| *id),
+        );
+        for id in order {
+            let s = self.seqs.get_mut(&id).expect("id taken from the map");
+            let budget = self.max_rows - rows;
+            if budget == 0 {
+                break;
+            }
+            let (tokens, last): (Vec<u32>, bool) = match s.next_input {
+                Some(t) => (vec![t], true),
+                None => {
+                    let left = s.req.prompt.len() - s.fed;
+                    let n = left.min(self.chunk).min(budget);
+                    (s.req.prompt[s.fed..s.fed + n].to_vec(), n == left)
+                }
+            };
+            let output = if last { pb::Output::Last } else { pb::Output::None };
+            let uniforms = if last { vec![s.draws.next_uniform()] } else { vec![] };
+            rows += tokens.len();
+            fed.push((id, tokens.len()));
+            step.seqs.push(pb::SeqStep {
+                seq_id: id,
+                pos: s.fed as u32,
+                n: tokens.len() as u32,
+                output: output as i32,
+                draft: vec![],
+                sampling: Some(pb::Sampling {
+                    temperature: s.req.sampling.temperature,
+                    top_k: s.req.sampling.top_k as u32,
+                    top_p: s.req.sampling.top_p,
+                    uniforms,
+                    logprobs: s.req.logprobs,
+                }),
+            });
+            step.tokens.extend(tokens);
+        }
+        self.next_batch += 1;
+        step.batch_id = self.next_batch;
+        self.in_flight = Some(InFlight {
+            batch_id: step.batch_id,
+            seqs: fed,
+            deadline: tokio::time::Instant::now() + self.step_timeout,
+        });
+        Some(step)
+    }
+
+    pub fn deadline(&self) -> Option<tokio::time::Instant> {
+        self.in_flight.as_ref().map(|f| f.deadline)
+    }
+
+    /// Applies a step's result; returns the sequences that ended (to release).
+    pub fn on_result(&mut self, r: pb::StepResult) -> Vec<u64> {
+        let Some(f) = self.in_flight.take_if(|f| f.batch_id == r.batch_id) else {
+            tracing::warn!(batch = r.batch_id, "a result for no step in flight; ignored");
+            return vec![];
+        };
+        if !r.error.is_empty() {
+            return self.fail(
+                &f,
+                &format!("stage {} refused the step: {}", r.error_stage, r.error),
+            );
+        }
+        let stage_us: Vec<u64> = r.timings.iter().map(|t| t.compute_us).collect();
+        let mut ended = Vec::new();
+        for (id, n) in &f.seqs {
+            let Some(s) = self.seqs.get_mut(id) else { continue };
+            s.fed += n;
+            s.next_input = None;
+            if s.stage_us.len() < stage_us.len() {
+                s.stage_us.resize(stage_us.len(), 0);
+            }
+            for (a, b) in s.stage_us.iter_mut().zip(&stage_us) {
+                *a += b;
+            }
+            let Some(out) = r.seqs.iter().find(|o| o.seq_id == *id) else {
+                if s.fed < s.req.prompt.len() {
+                    continue; // a prompt chunk: no token yet
+                }
+                let _ = s.events.send(GenEvent::Error("the last stage returned no token".into()));
+                ended.push(*id);
+                continue;
+            };
+            let (Some(&token), logprob) = (out.tokens.first(), out.logprobs.first().copied()) else {
+                let _ = s.events.send(GenEvent::Error("the last stage returned no token".into()));
+                ended.push(*id);
+                continue;
+            };
+            if let Some(finish) = self.on_token(*id, token, logprob) {
+                let s = &self.seqs[id];
+                let prompt_tokens = s.req.prompt.len();
+                let _ = s.events.send(GenEvent::Done {
+                    finish,
+                    usage: Usage {
+                        prompt_tokens,
+                        completion_tokens: s.generated,
+                        total_tokens: prompt_tokens + s.generated,
+                    },
+                    stage_compute_us: s.stage_us.clone(),
+                });
+                ended.push(*id);
+            }
+        }
+        for id in &ended {
+            self.seqs.remove(id);
+        }
+        ended
+    }
+
+    /// Handles a chosen token; `Some` when the sequence is finished.
+    fn on_token(&mut self, id: u64, token: u32, logprob: Option<f32>) -> Option<FinishReason> {
+        let tok = &self.model.text.tokenizer;
+        let s = self.seqs.get_mut(&id)?;
+        if s.stop.is_eos(token) {
+            let rest = s.stop.flush();
+            if !rest.is_empty() {
+                let _ = s.events.send(GenEvent::Text {
+                    text: rest,
+                    token: None,
+                    logprob: None,
+                });
+            }
+            return Some(FinishReason::Stop);
+        }
+        s.generated += 1;
+        let piece = match s.detok.push(tok, token) {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = s.events.send(GenEvent::Error(e.to_string()));
+                return Some(FinishReason::Stop);
+            }
+        };
+        let (text, done) = s.stop.push(&piece);
+        let _ = s.events.send(GenEvent::Text {
+            text,
+            token: Some(token),
+            logprob,
+        });
+        if done.is_none() {
+            s.next_input = Some(token);
+        }
+        done
+    }
+
+    /// Fails every sequence of the step in flight (if any); returns them (to release).
+    pub fn fail_in_flight(&mut self, msg: &str) -> Vec<u64> {
+        match self.in_flight.take() {
+            Some(f) => self.fail(&f, msg),
+            None => vec![],
+        }
+    }
+
+    fn fail(&mut self, f: &InFlight, msg: &str) -> Vec<u64> {
+        tracing::warn!(batch = f.batch_id, "{msg}");
+        let ids: Vec<u64> = f.seqs.iter().map(|s| s.0).collect();
+        for id in &ids {
+            if let Some(s) = self.seqs.remove(id) {
+                let _ = s.events.send(GenEvent::Error(msg.to_string()));
+            }
+        }
+        ids
+    }
+
+    /// Fails every sequence (the ring went down): their caches may be gone.
+    pub fn fail_all(&mut self, msg: &str) -> Vec<u64> {
+        self.in_flight = None;
+        let ids: Vec<u64> = self.seqs.keys().copied().collect();
+        for (_, s) in std::mem::take(&mut self.seqs) {
+            let _ = s.events.send(GenEvent::Error(msg.to_string()));
+        }
+        ids
+    }
+}
+
+pub(crate) fn spawn(
+    mut commands: mpsc::Receiver<Command>,
+    mut results: mpsc::Receiver<pb::Frame>,
+    worker: Worker,
+    mut status: watch::Receiver<RingStatus>,
+    model: Arc<ServedModel>,
+    config: &HeadConfig,
+) {
+    let mut state = State::new(model, config);
+    tokio::spawn(async move {
+        let release = |ids: Vec<u64>| {
+            if !ids.is_empty() {
+                worker.send(pb::Frame {
+                    kind: Some(Kind::Release(pb::Release { seq_ids: ids })),
+                });
+            }
+        };
+        loop {
+            release(state.reap_cancelled());
+            if status.borrow().ready {
+                if let Some(step) = state.next_step() {
+                    tracing::debug!(batch = step.batch_id, rows = step.tokens.len(), "step");
+                    if !worker.send(pb::Frame {
+                        kind: Some(Kind::Step(step)),
+                    }) {
+                        release(state.fail_all("stage 0 stopped"));
+                    }
+                }
+            }
+            let deadline = state.deadline();
+            tokio::select! {
+                cmd = commands.recv() => match cmd {
+                    Some(Command::Submit { req, events }) => state.admit(req, events),
+                    None => return,
+                },
+                frame = results.recv() => match frame.and_then(|f| f.kind) {
+                    Some(Kind::Result(r)) => release(state.on_result(r)),
+                    Some(_) => tracing::warn!("the ring returned a frame that is not a result"),
+                    None => return,
+                },
+                changed = status.changed() => {
+                    if changed.is_err() {
+                        continue;
+                    }
+                    let s = status.borrow().clone();
+                    if !s.ready {
+                        release(state.fail_all(&format!("the ring is unavailable: {}", s.message)));
+                    }
+                }
+                _ = async {
+                    match deadline {
+                        Some(d) => tokio::time::sleep_until(d).await,
+                        None => std::future::pending().await,
+                    }
+                } => {
+                    release(state.fail_in_flight("the step did not come back round the ring in time"));
+                }
+                // Wake up now and then to notice clients that went away.
+                _ = tokio::time::sleep(std::time::Duration::from_millis(200)) => {}
+            }
+        }
+    });
+}
