@@ -41,3 +41,137 @@ pub fn generate_json(model: &Path, extra: &[&str]) -> serde_json::Value {
     args.extend_from_slice(extra);
     serde_json::from_str(ok(&args).trim()).expect("one JSON object")
 }
+
+/// Runs `pipeshard` with extra environment; returns (success, stdout, stderr).
+pub fn pipeshard_env(args: &[&str], env: &[(&str, &Path)]) -> (bool, String, String) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_pipeshard"));
+    cmd.args(args);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().expect("running pipeshard");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// A `pipeshard` process killed when dropped.
+pub struct Proc {
+    pub child: std::process::Child,
+}
+
+impl Proc {
+    /// Starts `pipeshard args`, and waits for its first stdout line (its address).
+    /// Returns the process and the line, or the process's stderr when it exits first.
+    pub fn start(args: &[&str], env: &[(&str, &Path)]) -> Result<(Self, String), String> {
+        use std::io::{BufRead, BufReader, Read};
+        use std::process::Stdio;
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_pipeshard"));
+        cmd.args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("starting pipeshard");
+        let stdout = child.stdout.take().unwrap();
+        let mut reader = BufReader::new(stdout);
+        let mut line = String::new();
+        reader.read_line(&mut line).unwrap();
+        if line.is_empty() {
+            let mut err = String::new();
+            child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+            let _ = child.wait();
+            return Err(err);
+        }
+        // Keep draining stderr so the process never blocks on a full pipe.
+        let mut stderr = child.stderr.take().unwrap();
+        std::thread::spawn(move || {
+            let mut sink = Vec::new();
+            let _ = stderr.read_to_end(&mut sink);
+        });
+        std::thread::spawn(move || {
+            let mut sink = Vec::new();
+            let _ = reader.read_to_end(&mut sink);
+        });
+        Ok((Self { child }, line.trim().to_string()))
+    }
+
+    /// Stops the process now.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A free TCP port on loopback (bound and released).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Starts `pipeshard stage` on a shard; returns it and its `host:port`.
+pub fn stage(shard: &Path, next: &str, token_file: &Path) -> (Proc, String) {
+    start_stage(shard, next, token_file).unwrap_or_else(|e| panic!("stage failed: {e}"))
+}
+
+/// Like [`stage`], but returns the failure.
+pub fn start_stage(shard: &Path, next: &str, token_file: &Path) -> Result<(Proc, String), String> {
+    let (p, line) = Proc::start(
+        &[
+            "stage",
+            "--shard",
+            shard.to_str().unwrap(),
+            "--listen",
+            "127.0.0.1:0",
+            "--next",
+            next,
+            "--token-file",
+            token_file.to_str().unwrap(),
+        ],
+        &[],
+    )?;
+    let addr = line
+        .strip_prefix("listening on ")
+        .unwrap_or_else(|| panic!("unexpected first line: {line}"))
+        .to_string();
+    Ok((p, addr))
+}
+
+/// An HTTP request; returns (status, body).
+pub fn http(method: &str, url: &str, body: Option<&str>) -> (u16, String) {
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .build()
+        .into();
+    let resp = match (method, body) {
+        ("GET", _) => agent.get(url).call(),
+        (_, Some(b)) => agent
+            .post(url)
+            .header("content-type", "application/json")
+            .send(b),
+        (_, None) => agent.post(url).send_empty(),
+    };
+    let mut resp = resp.unwrap_or_else(|e| panic!("{method} {url}: {e}"));
+    let status = resp.status().as_u16();
+    let text = resp.body_mut().read_to_string().unwrap_or_default();
+    (status, text)
+}
+
+/// Writes a cluster token file.
+pub fn token_file(dir: &Path, name: &str, token: &str) -> std::path::PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, format!("{token}\n")).unwrap();
+    p
+}

@@ -1,0 +1,281 @@
+//! The ring across processes on loopback: `up`, `stage` and `serve` on tiny models. Tokens
+//! must equal the unsplit model's; a bad ring, a bad request or a dead stage gets a clear
+//! error.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use common::{free_port, generate_json, http, ok, pipeshard_env, stage, start_stage, token_file, Proc};
+use pipeshard_testkit::{tiny_model, Flavour};
+use serde_json::{json, Value};
+
+fn split(model: &Path, dir: &Path, how: &[&str]) -> PathBuf {
+    let mut args = vec![
+        "split",
+        model.to_str().unwrap(),
+        "--out",
+        dir.to_str().unwrap(),
+        "-q",
+    ];
+    args.extend_from_slice(how);
+    ok(&args);
+    dir.join("manifest.json")
+}
+
+fn up_json(model: &Path, cache: &Path, extra: &[&str]) -> Value {
+    let mut args = vec![
+        "up",
+        "--model",
+        model.to_str().unwrap(),
+        "--stages",
+        "3",
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    let (success, stdout, stderr) = pipeshard_env(&args, &[("PIPESHARD_CACHE", cache)]);
+    assert!(success, "up failed:\n{stderr}");
+    serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}"))
+}
+
+#[test]
+fn three_stage_processes_give_the_unsplit_tokens() {
+    let tmp = tempfile::tempdir().unwrap();
+    for flavour in [Flavour::Llama, Flavour::Qwen2] {
+        let m = tiny_model(tmp.path(), flavour, 11);
+        for extra in [
+            &["--prompt", "hello there, ring", "--max-tokens", "40"][..],
+            &[
+                "--prompt",
+                "sampled",
+                "--max-tokens",
+                "40",
+                "--temperature",
+                "0.9",
+                "--seed",
+                "5",
+            ][..],
+        ] {
+            let want = generate_json(&m, extra);
+            let got = up_json(&m, tmp.path(), extra);
+            assert_eq!(got["tokens"], want["tokens"], "{flavour:?} {extra:?}");
+            assert_eq!(got["text"], want["text"]);
+            assert!(!want["tokens"].as_array().unwrap().is_empty());
+            // Every stage reported its compute time.
+            assert_eq!(got["stage_compute_ms"].as_array().unwrap().len(), 3, "{got}");
+        }
+    }
+}
+
+/// Runs `serve` expecting it to refuse the ring; returns its stderr.
+fn serve_fails(manifest: &Path, stages: &[&str], token: &Path, ring_port: u16) -> String {
+    let ring = format!("127.0.0.1:{ring_port}");
+    let mut args = vec![
+        "serve",
+        "--manifest",
+        manifest.to_str().unwrap(),
+        "--listen",
+        "127.0.0.1:0",
+        "--ring-listen",
+        &ring,
+        "--token-file",
+        token.to_str().unwrap(),
+    ];
+    for s in stages {
+        args.extend_from_slice(&["--stage", s]);
+    }
+    let (success, stdout, stderr) = pipeshard_env(&args, &[]);
+    assert!(!success, "serve should refuse, printed: {stdout}");
+    stderr
+}
+
+#[test]
+fn bad_rings_are_refused_with_the_stage_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    let m = tiny_model(d, Flavour::Llama, 1);
+    let other = tiny_model(d, Flavour::Llama, 2);
+    let a = split(&m, &d.join("a"), &["--stages", "3"]); // 0..2, 2..4, 4..6
+    let b = split(&m, &d.join("b"), &["--layers", "0..3,3..6"]);
+    split(&other, &d.join("c"), &["--stages", "3"]);
+    let token = token_file(d, "token", "0123456789abcdef0123456789abcdef");
+    let wrong = token_file(d, "wrong", "fedcba9876543210fedcba9876543210");
+    let ring_port = free_port();
+    let next = format!("127.0.0.1:{ring_port}");
+    let shard = |dir: &str, i: usize| d.join(dir).join(format!("stage-{i}.gguf"));
+    let (_a1, a1) = stage(&shard("a", 1), &next, &token);
+    let (_a2, a2) = stage(&shard("a", 2), &next, &token);
+    let (_b1, b1) = stage(&shard("b", 1), &next, &token);
+    let (_c1, c1) = stage(&shard("c", 1), &next, &token);
+    let (_c2, c2) = stage(&shard("c", 2), &next, &token);
+    let (_w1, w1) = stage(&shard("a", 1), &next, &wrong);
+
+    let e = serve_fails(&a, &[&a2, &a1], &token, ring_port);
+    assert!(e.contains("ring order") && e.contains("stage 1 at"), "{e}");
+    let e = serve_fails(&a, &[&b1, &a2], &token, ring_port);
+    assert!(e.contains("gap") && e.contains("layers 2..3"), "{e}");
+    let e = serve_fails(&b, &[&a1], &token, ring_port);
+    assert!(e.contains("overlap") && e.contains("stage 1 at"), "{e}");
+    let e = serve_fails(&a, &[&c1, &c2], &token, ring_port);
+    assert!(e.contains("another model") && e.contains("stage 1 at"), "{e}");
+    let e = serve_fails(&a, &[&w1, &a2], &token, ring_port);
+    assert!(e.contains("stage 1 at") && e.contains("cluster token"), "{e}");
+    let down = format!("127.0.0.1:{}", free_port());
+    let e = serve_fails(&a, &[&a1, &down], &token, ring_port);
+    assert!(e.contains(&format!("stage 2 at {down} is unreachable")), "{e}");
+    let e = serve_fails(&a, &[&a1], &token, ring_port);
+    assert!(e.contains("give --stage for each of stages 1..2"), "{e}");
+    // A stage refuses to start without a usable token file.
+    let short = token_file(d, "short", "abc");
+    let e = start_stage(&shard("a", 1), &next, &short).err().unwrap();
+    assert!(e.contains("at least 16"), "{e}");
+}
+
+struct Served {
+    url: String,
+    stages: Vec<Proc>,
+    _serve: Proc,
+}
+
+/// A three-stage ring on a tiny model: two stage processes and `serve`.
+fn serve_tiny(d: &Path) -> (Served, PathBuf) {
+    let m = tiny_model(d, Flavour::Qwen2, 3);
+    let a = split(&m, &d.join("a"), &["--stages", "3"]);
+    let token = token_file(d, "token", "0123456789abcdef0123456789abcdef");
+    let ring_port = free_port();
+    let ring = format!("127.0.0.1:{ring_port}");
+    let (p2, a2) = stage(&d.join("a/stage-2.gguf"), &ring, &token);
+    let (p1, a1) = stage(&d.join("a/stage-1.gguf"), &a2, &token);
+    let (serve, line) = Proc::start(
+        &[
+            "serve",
+            "--manifest",
+            a.to_str().unwrap(),
+            "--stage",
+            &a1,
+            "--stage",
+            &a2,
+            "--listen",
+            "127.0.0.1:0",
+            "--ring-listen",
+            &ring,
+            "--token-file",
+            token.to_str().unwrap(),
+            "--model-name",
+            "tiny",
+            "--max-body-kib",
+            "64",
+        ],
+        &[],
+    )
+    .unwrap_or_else(|e| panic!("serve failed: {e}"));
+    let url = line
+        .rsplit(' ')
+        .next()
+        .unwrap()
+        .trim_end_matches("/v1")
+        .to_string();
+    (
+        Served {
+            url,
+            stages: vec![p1, p2],
+            _serve: serve,
+        },
+        m,
+    )
+}
+
+fn post(url: &str, body: &Value) -> (u16, Value) {
+    let (status, text) = http("POST", url, Some(&body.to_string()));
+    (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+}
+
+#[test]
+fn the_api_serves_the_ring_and_names_bad_requests() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut s, model) = serve_tiny(tmp.path());
+    let u = &s.url;
+    let (code, health) = http("GET", &format!("{u}/health"), None);
+    assert_eq!(code, 200, "{health}");
+    let (code, models) = http("GET", &format!("{u}/v1/models"), None);
+    assert_eq!(code, 200);
+    assert!(models.contains("\"id\":\"tiny\""), "{models}");
+
+    // Completions through the API give the unsplit model's text.
+    let want = generate_json(&model, &["--prompt", "hello", "--max-tokens", "12"]);
+    let (code, r) = post(
+        &format!("{u}/v1/completions"),
+        &json!({"model": "tiny", "prompt": "hello", "max_tokens": 12, "temperature": 0}),
+    );
+    assert_eq!(code, 200, "{r}");
+    assert_eq!(r["choices"][0]["text"], want["text"], "{r}");
+    let n = want["tokens"].as_array().unwrap().len();
+    assert_eq!(r["usage"]["completion_tokens"], n);
+    assert_eq!(r["usage"]["prompt_tokens"], want["prompt_ids"].as_array().unwrap().len());
+
+    // Streamed: the same text in chunks, then [DONE].
+    let (code, body) = http(
+        "POST",
+        &format!("{u}/v1/completions"),
+        Some(&json!({"model": "tiny", "prompt": "hello", "max_tokens": 12, "temperature": 0, "stream": true}).to_string()),
+    );
+    assert_eq!(code, 200);
+    let mut text = String::new();
+    let lines: Vec<&str> = body.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+    assert_eq!(lines.last(), Some(&"[DONE]"), "{body}");
+    for l in &lines[..lines.len() - 1] {
+        let v: Value = serde_json::from_str(l).unwrap();
+        text += v["choices"][0]["text"].as_str().unwrap_or("");
+    }
+    assert_eq!(text, want["text"].as_str().unwrap());
+
+    // Chat, whole.
+    let (code, r) = post(
+        &format!("{u}/v1/chat/completions"),
+        &json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0}),
+    );
+    assert_eq!(code, 200, "{r}");
+    assert_eq!(r["object"], "chat.completion");
+    assert_eq!(r["choices"][0]["message"]["role"], "assistant");
+    assert!(r["usage"]["completion_tokens"].as_u64().unwrap() <= 5);
+
+    // Bad requests: a 400 (or 413) with an OpenAI error object naming the problem.
+    let chat = format!("{u}/v1/chat/completions");
+    let (code, body) = http("POST", &chat, Some("{\"model\": \"tiny\", \"messages\": ["));
+    assert_eq!(code, 400, "{body}");
+    assert!(body.contains("malformed JSON"), "{body}");
+    let (code, r) = post(&chat, &json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}));
+    assert_eq!(code, 400);
+    assert!(r["error"]["message"].as_str().unwrap().contains("invalid request"), "{r}");
+    let (code, r) = post(&chat, &json!({"model": "gpt-5", "messages": [{"role": "user", "content": "hi"}]}));
+    assert_eq!(code, 400);
+    assert_eq!(r["error"]["code"], "model_not_found", "{r}");
+    let (code, r) = post(&chat, &json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}));
+    assert_eq!(code, 400);
+    assert!(r["error"]["message"].as_str().unwrap().contains("context length 256"), "{r}");
+    let (code, r) = post(&chat, &json!({"model": "tiny", "messages": []}));
+    assert_eq!(code, 400, "{r}");
+    let big = "x".repeat(100 << 10);
+    let (code, r) = post(&chat, &json!({"model": "tiny", "messages": [{"role": "user", "content": big}]}));
+    assert_eq!(code, 413, "{r}");
+    assert!(r["error"]["message"].is_string(), "{r}");
+    let (code, _) = http("GET", &format!("{u}/v1/nothing"), None);
+    assert_eq!(code, 404);
+
+    // A stage dies: health and requests answer 503 naming it.
+    s.stages[1].kill();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let (code, body) = http("GET", &format!("{u}/health"), None);
+        if code == 503 {
+            assert!(body.contains("stage 2 at"), "{body}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "health still {code}: {body}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let (code, r) = post(&chat, &json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}));
+    assert_eq!(code, 503, "{r}");
+    assert!(r["error"]["message"].as_str().unwrap().contains("stage 2 at"), "{r}");
+}
