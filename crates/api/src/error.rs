@@ -38,7 +38,11 @@ impl ApiError {
     /// A failure while generating: 503 when the ring is down, else 500.
     pub fn generation(message: String) -> Self {
         if message.starts_with("the ring is unavailable") {
-            Self::new(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", message)
+            Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                message,
+            )
         } else {
             Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)
         }
@@ -72,12 +76,16 @@ impl From<HeadError> for ApiError {
     fn from(e: HeadError) -> Self {
         match e {
             HeadError::Invalid(m) => Self::bad_request(m),
-            e @ (HeadError::Unavailable(_) | HeadError::Ring(_) | HeadError::Stopped) => {
-                Self::new(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", e.to_string())
-            }
-            e @ HeadError::Stage(_) => {
-                Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", e.to_string())
-            }
+            e @ (HeadError::Unavailable(_) | HeadError::Ring(_) | HeadError::Stopped) => Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                e.to_string(),
+            ),
+            e @ HeadError::Stage(_) => Self::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "server_error",
+                e.to_string(),
+            ),
         }
     }
 }

@@ -99,11 +99,15 @@ async fn models(State(st): State<Arc<AppState>>) -> Json<Value> {
 }
 
 /// Parses a JSON body: malformed JSON and wrong types are 400s, an oversized body 413.
-fn parse<T: serde::de::DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
-    let body = body.map_err(|r| ApiError::new(r.status(), "invalid_request_error", r.body_text()))?;
+fn parse<T: serde::de::DeserializeOwned>(
+    body: Result<Bytes, BytesRejection>,
+) -> Result<T, ApiError> {
+    let body =
+        body.map_err(|r| ApiError::new(r.status(), "invalid_request_error", r.body_text()))?;
     let value: Value = serde_json::from_slice(&body)
         .map_err(|e| ApiError::bad_request(format!("malformed JSON: {e}")))?;
-    serde_json::from_value(value).map_err(|e| ApiError::bad_request(format!("invalid request: {e}")))
+    serde_json::from_value(value)
+        .map_err(|e| ApiError::bad_request(format!("invalid request: {e}")))
 }
 
 /// Checks the model name and the common parameters; returns the head's request.
@@ -139,7 +143,9 @@ fn validate(
     let room = ctx - prompt.len();
     let max_tokens = match p.max_tokens() {
         Some(0) => {
-            return Err(ApiError::bad_request("max_tokens must be at least 1").with_param("max_tokens"))
+            return Err(
+                ApiError::bad_request("max_tokens must be at least 1").with_param("max_tokens")
+            )
         }
         Some(m) if m as usize > room => {
             return Err(ApiError::bad_request(format!(
@@ -185,8 +191,10 @@ async fn completions(
         Prompt::Text(t) => encode(&st, t)?,
         Prompt::Texts(v) if v.len() == 1 => encode(&st, &v[0])?,
         Prompt::Texts(_) => {
-            return Err(ApiError::bad_request("only one prompt per request is supported")
-                .with_param("prompt"))
+            return Err(
+                ApiError::bad_request("only one prompt per request is supported")
+                    .with_param("prompt"),
+            )
         }
         Prompt::Tokens(t) => {
             let vocab = st.head.model().text.tokenizer.vocab_size();
@@ -269,11 +277,18 @@ struct Collected {
     logprobs: Vec<f32>,
 }
 
-async fn whole_response(kind: Kind, mut rx: UnboundedReceiver<GenEvent>) -> Result<Response, ApiError> {
+async fn whole_response(
+    kind: Kind,
+    mut rx: UnboundedReceiver<GenEvent>,
+) -> Result<Response, ApiError> {
     let mut c = Collected::default();
     let (finish, usage) = loop {
         match rx.recv().await {
-            Some(GenEvent::Text { text, token, logprob }) => {
+            Some(GenEvent::Text {
+                text,
+                token,
+                logprob,
+            }) => {
                 c.text.push_str(&text);
                 if let Some(t) = token {
                     c.tokens.push(t);

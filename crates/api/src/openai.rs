@@ -62,10 +62,15 @@ impl CommonParams {
         }
     }
     pub fn wants_logprobs(&self) -> bool {
-        matches!(self.logprobs, Some(Logprobs::Flag(true)) | Some(Logprobs::Count(_)))
+        matches!(
+            self.logprobs,
+            Some(Logprobs::Flag(true)) | Some(Logprobs::Count(_))
+        )
     }
     pub fn include_usage(&self) -> bool {
-        self.stream_options.as_ref().is_some_and(|o| o.include_usage)
+        self.stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage)
     }
 }
 

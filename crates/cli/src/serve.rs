@@ -96,14 +96,14 @@ async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        {
-            Ok(t) => t,
-            Err(_) => {
-                let _ = ctrl_c.await;
-                return;
-            }
-        };
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(t) => t,
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
         tokio::select! {
             _ = ctrl_c => {}
             _ = term.recv() => {}
@@ -232,13 +232,7 @@ fn load_head_side(
     let mut stage = Stage::load(&path, Some(entry.layers))?;
     stage.set_threads(threads)?;
     let ctx_len = stage.config().ctx_len;
-    let name = name.unwrap_or_else(|| {
-        manifest
-            .model
-            .file
-            .trim_end_matches(".gguf")
-            .to_string()
-    });
+    let name = name.unwrap_or_else(|| manifest.model.file.trim_end_matches(".gguf").to_string());
     let local = LocalStage {
         stage,
         identity: StageIdentity {
@@ -351,6 +345,9 @@ pub struct UpArgs {
     /// Element type of hidden states between stages.
     #[arg(long, default_value = "f32")]
     pub wire_dtype: WireDtype,
+    /// The model name clients use (default: the known model's name, or the file's).
+    #[arg(long)]
+    pub model_name: Option<String>,
 }
 
 /// Stage processes started by `up`; stopped (SIGTERM, then SIGKILL) when dropped.
@@ -404,7 +401,9 @@ fn ensure_split(model: &str, n: usize) -> Result<PathBuf> {
     let manifest_path = dir.join("manifest.json");
     let size = std::fs::metadata(&gguf)?.len();
     if let Ok(m) = Manifest::load(&manifest_path) {
-        if m.model.bytes == size && m.stages.len() == n && m.verify(&manifest_path, false, true).is_ok()
+        if m.model.bytes == size
+            && m.stages.len() == n
+            && m.verify(&manifest_path, false, true).is_ok()
         {
             return Ok(manifest_path);
         }
@@ -414,7 +413,11 @@ fn ensure_split(model: &str, n: usize) -> Result<PathBuf> {
     if n == 0 || n > c.n_layers {
         bail!("cannot split {} layers into {n} stages", c.n_layers);
     }
-    eprintln!("splitting {} into {n} stages in {}", gguf.display(), dir.display());
+    eprintln!(
+        "splitting {} into {n} stages in {}",
+        gguf.display(),
+        dir.display()
+    );
     pipeshard_shard::split(
         &gguf,
         &pipeshard_model::LayerRange::even_split(c.n_layers, n),
@@ -539,7 +542,7 @@ pub fn up(a: UpArgs) -> Result<()> {
     if pin_each {
         pin(0)?;
     }
-    let name = known_name(&a.model);
+    let name = a.model_name.clone().or_else(|| known_name(&a.model));
     let (local, model, _) = load_head_side(&manifest_path, a.threads, name)?;
     let link = LinkArgs {
         token_file: token_file.clone(),
@@ -593,7 +596,9 @@ async fn one_request(head: &HeadHandle, prompt: &str, a: &UpArgs) -> Result<()> 
         prompt.to_string()
     };
     let ids = text.tokenizer.encode(&rendered)?;
-    let max_tokens = a.max_tokens.min(head.model().ctx_len.saturating_sub(ids.len()));
+    let max_tokens = a
+        .max_tokens
+        .min(head.model().ctx_len.saturating_sub(ids.len()));
     let started = std::time::Instant::now();
     let mut rx = head.submit(GenRequest {
         prompt: ids,

@@ -115,3 +115,31 @@ fn three_shards_give_the_unsplit_tokens() {
         assert!(b < model_bytes * 2 / 3, "stage {i}: {b} of {model_bytes}");
     }
 }
+
+#[test]
+fn three_stage_processes_give_the_unsplit_tokens() {
+    let m = model("smollm2-135m");
+    let cache = tempfile::tempdir().unwrap();
+    let args = [
+        "--prompt",
+        "Once upon a time, in a small village,",
+        "--max-tokens",
+        "32",
+    ];
+    let want = generate_json(&m, &args);
+    let mut up = vec![
+        "up",
+        "--model",
+        m.to_str().unwrap(),
+        "--stages",
+        "3",
+        "--json",
+    ];
+    up.extend_from_slice(&args);
+    let (success, stdout, stderr) =
+        common::pipeshard_env(&up, &[("PIPESHARD_CACHE", cache.path())]);
+    assert!(success, "{stderr}");
+    let got: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(got["tokens"], want["tokens"]);
+    assert_eq!(got["text"], want["text"]);
+}

@@ -7,7 +7,9 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use common::{free_port, generate_json, http, ok, pipeshard_env, stage, start_stage, token_file, Proc};
+use common::{
+    free_port, generate_json, http, ok, pipeshard_env, stage, start_stage, token_file, Proc,
+};
 use pipeshard_testkit::{tiny_model, Flavour};
 use serde_json::{json, Value};
 
@@ -63,7 +65,11 @@ fn three_stage_processes_give_the_unsplit_tokens() {
             assert_eq!(got["text"], want["text"]);
             assert!(!want["tokens"].as_array().unwrap().is_empty());
             // Every stage reported its compute time.
-            assert_eq!(got["stage_compute_ms"].as_array().unwrap().len(), 3, "{got}");
+            assert_eq!(
+                got["stage_compute_ms"].as_array().unwrap().len(),
+                3,
+                "{got}"
+            );
         }
     }
 }
@@ -118,12 +124,21 @@ fn bad_rings_are_refused_with_the_stage_named() {
     let e = serve_fails(&b, &[&a1], &token, ring_port);
     assert!(e.contains("overlap") && e.contains("stage 1 at"), "{e}");
     let e = serve_fails(&a, &[&c1, &c2], &token, ring_port);
-    assert!(e.contains("another model") && e.contains("stage 1 at"), "{e}");
+    assert!(
+        e.contains("another model") && e.contains("stage 1 at"),
+        "{e}"
+    );
     let e = serve_fails(&a, &[&w1, &a2], &token, ring_port);
-    assert!(e.contains("stage 1 at") && e.contains("cluster token"), "{e}");
+    assert!(
+        e.contains("stage 1 at") && e.contains("cluster token"),
+        "{e}"
+    );
     let down = format!("127.0.0.1:{}", free_port());
     let e = serve_fails(&a, &[&a1, &down], &token, ring_port);
-    assert!(e.contains(&format!("stage 2 at {down} is unreachable")), "{e}");
+    assert!(
+        e.contains(&format!("stage 2 at {down} is unreachable")),
+        "{e}"
+    );
     let e = serve_fails(&a, &[&a1], &token, ring_port);
     assert!(e.contains("give --stage for each of stages 1..2"), "{e}");
     // A stage refuses to start without a usable token file.
@@ -188,7 +203,10 @@ fn serve_tiny(d: &Path) -> (Served, PathBuf) {
 
 fn post(url: &str, body: &Value) -> (u16, Value) {
     let (status, text) = http("POST", url, Some(&body.to_string()));
-    (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or(Value::String(text)),
+    )
 }
 
 #[test]
@@ -212,7 +230,10 @@ fn the_api_serves_the_ring_and_names_bad_requests() {
     assert_eq!(r["choices"][0]["text"], want["text"], "{r}");
     let n = want["tokens"].as_array().unwrap().len();
     assert_eq!(r["usage"]["completion_tokens"], n);
-    assert_eq!(r["usage"]["prompt_tokens"], want["prompt_ids"].as_array().unwrap().len());
+    assert_eq!(
+        r["usage"]["prompt_tokens"],
+        want["prompt_ids"].as_array().unwrap().len()
+    );
 
     // Streamed: the same text in chunks, then [DONE].
     let (code, body) = http(
@@ -222,7 +243,10 @@ fn the_api_serves_the_ring_and_names_bad_requests() {
     );
     assert_eq!(code, 200);
     let mut text = String::new();
-    let lines: Vec<&str> = body.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+    let lines: Vec<&str> = body
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
     assert_eq!(lines.last(), Some(&"[DONE]"), "{body}");
     for l in &lines[..lines.len() - 1] {
         let v: Value = serde_json::from_str(l).unwrap();
@@ -245,19 +269,43 @@ fn the_api_serves_the_ring_and_names_bad_requests() {
     let (code, body) = http("POST", &chat, Some("{\"model\": \"tiny\", \"messages\": ["));
     assert_eq!(code, 400, "{body}");
     assert!(body.contains("malformed JSON"), "{body}");
-    let (code, r) = post(&chat, &json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}));
+    let (code, r) = post(
+        &chat,
+        &json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}),
+    );
     assert_eq!(code, 400);
-    assert!(r["error"]["message"].as_str().unwrap().contains("invalid request"), "{r}");
-    let (code, r) = post(&chat, &json!({"model": "gpt-5", "messages": [{"role": "user", "content": "hi"}]}));
+    assert!(
+        r["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("invalid request"),
+        "{r}"
+    );
+    let (code, r) = post(
+        &chat,
+        &json!({"model": "gpt-5", "messages": [{"role": "user", "content": "hi"}]}),
+    );
     assert_eq!(code, 400);
     assert_eq!(r["error"]["code"], "model_not_found", "{r}");
-    let (code, r) = post(&chat, &json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}));
+    let (code, r) = post(
+        &chat,
+        &json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}),
+    );
     assert_eq!(code, 400);
-    assert!(r["error"]["message"].as_str().unwrap().contains("context length 256"), "{r}");
+    assert!(
+        r["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("context length 256"),
+        "{r}"
+    );
     let (code, r) = post(&chat, &json!({"model": "tiny", "messages": []}));
     assert_eq!(code, 400, "{r}");
     let big = "x".repeat(100 << 10);
-    let (code, r) = post(&chat, &json!({"model": "tiny", "messages": [{"role": "user", "content": big}]}));
+    let (code, r) = post(
+        &chat,
+        &json!({"model": "tiny", "messages": [{"role": "user", "content": big}]}),
+    );
     assert_eq!(code, 413, "{r}");
     assert!(r["error"]["message"].is_string(), "{r}");
     let (code, _) = http("GET", &format!("{u}/v1/nothing"), None);
@@ -275,7 +323,16 @@ fn the_api_serves_the_ring_and_names_bad_requests() {
         assert!(Instant::now() < deadline, "health still {code}: {body}");
         std::thread::sleep(Duration::from_millis(200));
     }
-    let (code, r) = post(&chat, &json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}));
+    let (code, r) = post(
+        &chat,
+        &json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}),
+    );
     assert_eq!(code, 503, "{r}");
-    assert!(r["error"]["message"].as_str().unwrap().contains("stage 2 at"), "{r}");
+    assert!(
+        r["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("stage 2 at"),
+        "{r}"
+    );
 }

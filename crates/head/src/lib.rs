@@ -13,7 +13,9 @@ use std::time::Duration;
 
 use pipeshard_generate::{FinishReason, SamplingParams, TextModel};
 use pipeshard_model::{Stage, TokenId};
-use pipeshard_stage::{spawn_link, spawn_worker, stage_info, LinkTarget, StageIdentity, WorkerConfig};
+use pipeshard_stage::{
+    spawn_link, spawn_worker, stage_info, LinkTarget, StageIdentity, WorkerConfig,
+};
 use pipeshard_wire::{pb, AddToken, Limits, WireDtype};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
@@ -211,9 +213,18 @@ pub async fn start(
 ) -> Result<HeadHandle, HeadError> {
     let add_token = AddToken::new(&config.token).map_err(|e| HeadError::Ring(e.to_string()))?;
     let (results_tx, results_rx) = mpsc::channel::<pb::Frame>(256);
-    ring::serve_deliver(ring_listener, &config.token, config.limits, results_tx.clone());
+    ring::serve_deliver(
+        ring_listener,
+        &config.token,
+        config.limits,
+        results_tx.clone(),
+    );
 
-    let next = config.remote.first().cloned().unwrap_or_else(|| "head (in-process)".into());
+    let next = config
+        .remote
+        .first()
+        .cloned()
+        .unwrap_or_else(|| "head (in-process)".into());
     let local_info = stage_info(&local.stage, &local.identity, config.wire_dtype, &next);
     let remotes = ring::connect_all(&config.remote, &add_token, &config.limits).await?;
     let mut infos = vec![("the head's stage 0".to_string(), local_info.clone())];
@@ -228,7 +239,11 @@ pub async fn start(
     }
 
     let out = match config.remote.first() {
-        Some(addr) => spawn_link(LinkTarget::Stage(addr.clone()), add_token.clone(), config.limits),
+        Some(addr) => spawn_link(
+            LinkTarget::Stage(addr.clone()),
+            add_token.clone(),
+            config.limits,
+        ),
         None => results_tx,
     };
     let worker = spawn_worker(

@@ -202,9 +202,11 @@ pub(crate) fn spawn_health(
             let mut next = status.borrow().clone();
             let mut down = None;
             for r in &mut remotes {
-                let reply =
-                    tokio::time::timeout(every.max(Duration::from_secs(2)), r.client.health(pb::HealthRequest {}))
-                        .await;
+                let reply = tokio::time::timeout(
+                    every.max(Duration::from_secs(2)),
+                    r.client.health(pb::HealthRequest {}),
+                )
+                .await;
                 let entry = &mut next.stages[r.position];
                 match reply {
                     Ok(Ok(h)) => {
@@ -215,7 +217,11 @@ pub(crate) fn spawn_health(
                     }
                     Ok(Err(s)) => {
                         entry.up = false;
-                        down.get_or_insert(format!("{} failed its health check: {}", r.describe(), s.message()));
+                        down.get_or_insert(format!(
+                            "{} failed its health check: {}",
+                            r.describe(),
+                            s.message()
+                        ));
                     }
                     Err(_) => {
                         entry.up = false;
@@ -238,7 +244,9 @@ pub(crate) fn spawn_health(
                     for r in &mut remotes {
                         match r.client.info(pb::InfoRequest {}).await {
                             Ok(i) => fresh[r.position].1 = i.into_inner(),
-                            Err(s) => failed = Some(format!("{} {}", r.describe(), describe_status(&s))),
+                            Err(s) => {
+                                failed = Some(format!("{} {}", r.describe(), describe_status(&s)))
+                            }
                         }
                     }
                     match failed.map_or_else(|| check_ring(&fresh), Err) {
@@ -337,8 +345,8 @@ mod tests {
         assert!(e.contains("gap") && e.contains("layers 2..4"), "{e}");
         let e = check_ring(&[info("a", 0, 0, 3), info("a", 1, 2, 6)]).unwrap_err();
         assert!(e.contains("overlap") && e.contains("stage 1"), "{e}");
-        let e = check_ring(&[info("a", 0, 0, 2), info("a", 2, 4, 6), info("a", 1, 2, 4)])
-            .unwrap_err();
+        let e =
+            check_ring(&[info("a", 0, 0, 2), info("a", 2, 4, 6), info("a", 1, 2, 4)]).unwrap_err();
         assert!(e.contains("ring order"), "{e}");
         let e = check_ring(&[info("a", 0, 0, 2), info("b", 1, 2, 6)]).unwrap_err();
         assert!(e.contains("another model") && e.contains("stage 1"), "{e}");

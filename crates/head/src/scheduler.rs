@@ -148,8 +148,16 @@ impl State {
                     (s.req.prompt[s.fed..s.fed + n].to_vec(), n == left)
                 }
             };
-            let output = if last { pb::Output::Last } else { pb::Output::None };
-            let uniforms = if last { vec![s.draws.next_uniform()] } else { vec![] };
+            let output = if last {
+                pb::Output::Last
+            } else {
+                pb::Output::None
+            };
+            let uniforms = if last {
+                vec![s.draws.next_uniform()]
+            } else {
+                vec![]
+            };
             rows += tokens.len();
             fed.push((id, tokens.len()));
             step.seqs.push(pb::SeqStep {
@@ -185,7 +193,10 @@ impl State {
     /// Applies a step's result; returns the sequences that ended (to release).
     pub fn on_result(&mut self, r: pb::StepResult) -> Vec<u64> {
         let Some(f) = self.in_flight.take_if(|f| f.batch_id == r.batch_id) else {
-            tracing::warn!(batch = r.batch_id, "a result for no step in flight; ignored");
+            tracing::warn!(
+                batch = r.batch_id,
+                "a result for no step in flight; ignored"
+            );
             return vec![];
         };
         if !r.error.is_empty() {
@@ -197,7 +208,9 @@ impl State {
         let stage_us: Vec<u64> = r.timings.iter().map(|t| t.compute_us).collect();
         let mut ended = Vec::new();
         for (id, n) in &f.seqs {
-            let Some(s) = self.seqs.get_mut(id) else { continue };
+            let Some(s) = self.seqs.get_mut(id) else {
+                continue;
+            };
             s.fed += n;
             s.next_input = None;
             if s.stage_us.len() < stage_us.len() {
@@ -210,12 +223,17 @@ impl State {
                 if s.fed < s.req.prompt.len() {
                     continue; // a prompt chunk: no token yet
                 }
-                let _ = s.events.send(GenEvent::Error("the last stage returned no token".into()));
+                let _ = s
+                    .events
+                    .send(GenEvent::Error("the last stage returned no token".into()));
                 ended.push(*id);
                 continue;
             };
-            let (Some(&token), logprob) = (out.tokens.first(), out.logprobs.first().copied()) else {
-                let _ = s.events.send(GenEvent::Error("the last stage returned no token".into()));
+            let (Some(&token), logprob) = (out.tokens.first(), out.logprobs.first().copied())
+            else {
+                let _ = s
+                    .events
+                    .send(GenEvent::Error("the last stage returned no token".into()));
                 ended.push(*id);
                 continue;
             };

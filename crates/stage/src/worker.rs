@@ -92,7 +92,9 @@ fn run(
                     queue_us: started.duration_since(arrived).as_micros() as u64,
                 };
                 stats.steps.fetch_add(1, Ordering::Relaxed);
-                stats.busy_us.fetch_add(timing.compute_us, Ordering::Relaxed);
+                stats
+                    .busy_us
+                    .fetch_add(timing.compute_us, Ordering::Relaxed);
                 let mut timings = step.timings;
                 timings.push(timing);
                 send(match outcome {
@@ -169,9 +171,7 @@ fn compute(
 /// The last stage's choice: a token per output row, from the head's parameters and draws.
 fn choose(seqs: &[pb::SeqStep], logits: &[SeqLogits]) -> Result<Vec<pb::SeqResult>, String> {
     let mut out = Vec::with_capacity(logits.len());
-    let mut wanted = seqs
-        .iter()
-        .filter(|s| s.output != pb::Output::None as i32);
+    let mut wanted = seqs.iter().filter(|s| s.output != pb::Output::None as i32);
     for l in logits {
         let s = wanted
             .next()

@@ -78,7 +78,9 @@ impl WireDtype {
 pub fn encode_hidden(h: &[f32], rows: usize, width: usize, dtype: WireDtype) -> pb::Tensor {
     let mut data = Vec::with_capacity(h.len() * if dtype == WireDtype::F32 { 4 } else { 2 });
     match dtype {
-        WireDtype::F32 => h.iter().for_each(|x| data.extend_from_slice(&x.to_le_bytes())),
+        WireDtype::F32 => h
+            .iter()
+            .for_each(|x| data.extend_from_slice(&x.to_le_bytes())),
         WireDtype::F16 => h
             .iter()
             .for_each(|x| data.extend_from_slice(&f16::from_f32(*x).to_le_bytes())),
@@ -183,7 +185,10 @@ pub fn decode_step(
     let mut seqs = Vec::with_capacity(step.seqs.len());
     for s in &step.seqs {
         if s.n == 0 {
-            return Err(WireError::Malformed(format!("sequence {} has n = 0", s.seq_id)));
+            return Err(WireError::Malformed(format!(
+                "sequence {} has n = 0",
+                s.seq_id
+            )));
         }
         let (pos, n) = (s.pos as usize, s.n as usize);
         if pos + n > ctx {
@@ -381,8 +386,14 @@ mod tests {
             max_seqs_per_step: 2,
             ..Limits::default()
         };
-        let ok = decode_step(&step(vec![(1, 0, 2), (2, 5, 1)], vec![1, 2, 3]), true, 8, 64, &l)
-            .unwrap();
+        let ok = decode_step(
+            &step(vec![(1, 0, 2), (2, 5, 1)], vec![1, 2, 3]),
+            true,
+            8,
+            64,
+            &l,
+        )
+        .unwrap();
         assert_eq!(ok.batch.total_rows(), 3);
         let err = |s: pb::Step, first| decode_step(&s, first, 8, 64, &l).unwrap_err().to_string();
         assert!(err(step(vec![], vec![]), true).contains("without sequences"));
@@ -424,7 +435,10 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let f = dir.join("t");
         std::fs::write(&f, "short\n").unwrap();
-        assert!(read_token_file(&f).unwrap_err().to_string().contains("at least 16"));
+        assert!(read_token_file(&f)
+            .unwrap_err()
+            .to_string()
+            .contains("at least 16"));
         std::fs::write(&f, "0123456789abcdef0123\n").unwrap();
         assert_eq!(read_token_file(&f).unwrap(), "0123456789abcdef0123");
         assert!(read_token_file(&dir.join("none")).is_err());

@@ -69,9 +69,7 @@ impl Proc {
         use std::io::{BufRead, BufReader, Read};
         use std::process::Stdio;
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_pipeshard"));
-        cmd.args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
+        cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::piped());
         for (k, v) in env {
             cmd.env(k, v);
         }
@@ -82,7 +80,12 @@ impl Proc {
         reader.read_line(&mut line).unwrap();
         if line.is_empty() {
             let mut err = String::new();
-            child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+            child
+                .stderr
+                .take()
+                .unwrap()
+                .read_to_string(&mut err)
+                .unwrap();
             let _ = child.wait();
             return Err(err);
         }
