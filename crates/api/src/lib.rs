@@ -167,6 +167,7 @@ fn validate(
         max_tokens,
         stops: p.stops(),
         logprobs: p.wants_logprobs(),
+        ignore_eos: false,
     })
 }
 

@@ -2,9 +2,12 @@
 
 use std::time::Instant;
 
-use anyhow::Result;
+use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 use pipeshard_model::{LogitsWanted, SeqId, SeqStep, TokenId};
+
+use pipeshard_head::{GenEvent, GenRequest, HeadHandle};
+use pipeshard_shard::ModelSource;
 
 use crate::cmd::ModelArgs;
 use crate::run::Session;
@@ -13,6 +16,37 @@ use crate::run::Session;
 pub enum BenchCommand {
     /// Prefill and decode speed of the local pipeline.
     Decode(DecodeArgs),
+    /// One user through a ring of stage processes on loopback, against the unsplit model in
+    /// this process, alternating, same binary.
+    Ring(RingArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct RingArgs {
+    /// A known model name or a GGUF file.
+    #[arg(long, default_value = crate::cmd::DEFAULT_MODEL)]
+    pub model: String,
+    /// Stages (processes; stage 0 runs in this one).
+    #[arg(long, default_value_t = 2)]
+    pub stages: usize,
+    /// Prompt length.
+    #[arg(long, default_value_t = 32)]
+    pub prompt_tokens: usize,
+    /// Tokens decoded per run.
+    #[arg(long, default_value_t = 128)]
+    pub gen_tokens: usize,
+    /// Rounds (each: the unsplit model, then the ring); medians are reported.
+    #[arg(long, default_value_t = 3)]
+    pub runs: usize,
+    /// Pin each stage (and the unsplit model) to one core: auto, on, off.
+    #[arg(long, default_value = "auto")]
+    pub pin: String,
+    /// Element type of hidden states between stages.
+    #[arg(long, default_value = "f32")]
+    pub wire_dtype: pipeshard_wire::WireDtype,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Args, Debug)]
@@ -39,6 +73,7 @@ pub struct DecodeArgs {
 pub fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Decode(a) => decode(a),
+        BenchCommand::Ring(a) => ring(a),
     }
 }
 
@@ -47,11 +82,17 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// A code-like prompt of exactly `n` tokens.
+fn bench_prompt(tok: &pipeshard_generate::Tokenizer, n: usize) -> Result<Vec<TokenId>> {
+    let text = "fn main() { let v: Vec<u32> = (0..100).map(|x| x * x).collect(); println!(\"{:?}\", v); } ";
+    let mut ids = tok.encode(&text.repeat(n / 8 + 1))?;
+    ids.truncate(n);
+    Ok(ids)
+}
+
 fn decode(a: DecodeArgs) -> Result<()> {
     let mut s = Session::open(&a.model.model, a.model.stages, a.model.threads)?;
-    let text = "fn main() { let v: Vec<u32> = (0..100).map(|x| x * x).collect(); println!(\"{:?}\", v); } ";
-    let mut base = s.tokenizer.encode(&text.repeat(a.prompt_tokens / 8 + 1))?;
-    base.truncate(a.prompt_tokens);
+    let base = bench_prompt(&s.tokenizer, a.prompt_tokens)?;
     let (mut pre, mut dec) = (Vec::new(), Vec::new());
     for _ in 0..a.runs.max(1) {
         let seqs: Vec<SeqId> = (0..a.batch).map(|_| s.new_seq()).collect();
@@ -103,5 +144,152 @@ fn decode(a: DecodeArgs) -> Result<()> {
         println!("prefill {p:.2} tok/s ({} tokens x {}), decode {d:.2} tok/s (batch {}, {} tokens), median of {}",
             base.len(), a.batch, a.batch, a.gen_tokens, a.runs);
     }
+    Ok(())
+}
+
+/// One unsplit greedy run: (ttft s, decode tok/s, tokens).
+fn unsplit_run(
+    s: &mut Session,
+    prompt: &[TokenId],
+    gen: usize,
+) -> Result<(f64, f64, Vec<TokenId>)> {
+    let seq = s.new_seq();
+    let t0 = Instant::now();
+    let mut logits = s.prefill(seq, 0, prompt)?;
+    let ttft = t0.elapsed().as_secs_f64();
+    let mut tokens = vec![logits.argmax()[0]];
+    let t1 = Instant::now();
+    for k in 0..gen {
+        let step = SeqStep {
+            seq,
+            pos: prompt.len() + k,
+            n: 1,
+            logits: LogitsWanted::Last,
+        };
+        let last = *tokens.last().expect("one token at least");
+        logits = s
+            .pipe
+            .step(vec![step], vec![last])?
+            .pop()
+            .context("no logits")?;
+        tokens.push(logits.argmax()[0]);
+    }
+    let tok_s = gen as f64 / t1.elapsed().as_secs_f64();
+    s.pipe.release(seq);
+    Ok((ttft, tok_s, tokens))
+}
+
+/// One ring run: (ttft s, decode tok/s, tokens, compute ms per stage).
+async fn ring_run(
+    head: &HeadHandle,
+    prompt: &[TokenId],
+    gen: usize,
+) -> Result<(f64, f64, Vec<TokenId>, Vec<f64>)> {
+    let t0 = Instant::now();
+    let mut rx = head.submit(GenRequest {
+        prompt: prompt.to_vec(),
+        sampling: pipeshard_generate::SamplingParams::default(),
+        max_tokens: gen + 1,
+        stops: vec![],
+        logprobs: false,
+        ignore_eos: true,
+    })?;
+    let mut first = None;
+    let mut tokens = Vec::new();
+    loop {
+        match rx.recv().await {
+            Some(GenEvent::Text { token, .. }) => {
+                first.get_or_insert_with(Instant::now);
+                tokens.extend(token);
+            }
+            Some(GenEvent::Done {
+                stage_compute_us, ..
+            }) => {
+                let first = first.context("no token")?;
+                let ttft = first.duration_since(t0).as_secs_f64();
+                let tok_s = gen as f64 / first.elapsed().as_secs_f64();
+                let per_stage = stage_compute_us
+                    .iter()
+                    .map(|u| *u as f64 / 1e3 / (gen + 1) as f64)
+                    .collect();
+                return Ok((ttft, tok_s, tokens, per_stage));
+            }
+            Some(GenEvent::Error(e)) => bail!("ring run failed: {e}"),
+            None => bail!("the head stopped"),
+        }
+    }
+}
+
+fn ring(a: RingArgs) -> Result<()> {
+    let manifest = crate::serve::ensure_split(&a.model, a.stages)?;
+    let ModelSource::Gguf(gguf) = ModelSource::resolve(&a.model, true)? else {
+        bail!("bench ring compares against the unsplit model: give a GGUF file or model name");
+    };
+    let pin_each = crate::serve::pin_choice(&a.pin, a.stages, 1)?;
+    let local = crate::serve::launch_local_ring(&manifest, 1, pin_each, a.wire_dtype, None)?;
+    let rt = crate::serve::runtime()?;
+    let (head, children) = rt.block_on(local.start_head())?;
+    // Resident memory of this process with only stage 0 and the head loaded.
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let head_rss = pipeshard_stage::resident_bytes();
+    let mut s = Session::open(gguf.to_str().context("path")?, Some(1), 1)?;
+    let prompt = bench_prompt(&s.tokenizer, a.prompt_tokens)?;
+    let (mut base, mut ring, mut base_ttft, mut ring_ttft) = (vec![], vec![], vec![], vec![]);
+    let mut identical = true;
+    let mut per_stage = Vec::new();
+    let mut rounds = Vec::new();
+    for round in 0..a.runs.max(1) {
+        let (bt, bs, btok) = unsplit_run(&mut s, &prompt, a.gen_tokens)?;
+        let (rt_, rs, rtok, ps) = rt.block_on(ring_run(&head, &prompt, a.gen_tokens))?;
+        identical &= btok == rtok;
+        if !a.json {
+            eprintln!(
+                "round {round}: unsplit {bs:.2} tok/s, ring {rs:.2} tok/s ({:.3}x), tokens identical: {}",
+                rs / bs,
+                btok == rtok
+            );
+        }
+        rounds.push(serde_json::json!({"baseline_decode_tok_s": bs, "ring_decode_tok_s": rs}));
+        base.push(bs);
+        ring.push(rs);
+        base_ttft.push(bt * 1e3);
+        ring_ttft.push(rt_ * 1e3);
+        per_stage = ps;
+    }
+    let status = head.status();
+    let m = pipeshard_shard::Manifest::load(&manifest)?;
+    let memory: Vec<serde_json::Value> = m
+        .stages
+        .iter()
+        .map(|st| {
+            let rss = if st.index == 0 {
+                head_rss
+            } else {
+                status.stages.get(st.index).map_or(0, |x| x.resident_bytes)
+            };
+            serde_json::json!({"stage": st.index, "layers": st.layers.to_string(),
+                "shard_bytes": st.bytes, "resident_bytes": rss,
+                "note": if st.index == 0 { "the head's process: stage 0 + tokenizer + API" } else { "" }})
+        })
+        .collect();
+    let (b, r) = (median(base), median(ring));
+    let out = serde_json::json!({
+        "model": a.model, "stages": a.stages, "pinned": pin_each, "wire_dtype": format!("{:?}", a.wire_dtype),
+        "prompt_tokens": prompt.len(), "gen_tokens": a.gen_tokens, "runs": a.runs,
+        "baseline_decode_tok_s": b, "ring_decode_tok_s": r, "ratio": r / b,
+        "baseline_ttft_ms": median(base_ttft), "ring_ttft_ms": median(ring_ttft),
+        "stage_compute_ms_per_token": per_stage,
+        "tokens_identical": identical, "memory": memory,
+        "rounds": rounds,
+    });
+    if a.json {
+        println!("{out}");
+    } else {
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    }
+    // The head's tasks first, so that stopping the stages is not reported as a failure.
+    drop(head);
+    drop(rt);
+    drop(children);
     Ok(())
 }

@@ -76,7 +76,7 @@ pub struct StageArgs {
     pub cpu: Option<usize>,
 }
 
-fn runtime() -> Result<tokio::runtime::Runtime> {
+pub(crate) fn runtime() -> Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -84,7 +84,7 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
         .context("starting the async runtime")
 }
 
-fn pin(cpu: usize) -> Result<()> {
+pub(crate) fn pin(cpu: usize) -> Result<()> {
     let ok = core_affinity::set_for_current(core_affinity::CoreId { id: cpu });
     if !ok {
         bail!("cannot pin to CPU core {cpu}");
@@ -218,7 +218,7 @@ pub struct HeadArgs {
 }
 
 /// Loads stage 0 of a manifest and the text model; checks the shard against the manifest.
-fn load_head_side(
+pub(crate) fn load_head_side(
     manifest_path: &Path,
     threads: usize,
     name: Option<String>,
@@ -250,7 +250,12 @@ fn load_head_side(
     Ok((local, model, manifest))
 }
 
-fn head_config(link: &LinkArgs, head: &HeadArgs, remote: Vec<String>, token: String) -> HeadConfig {
+pub(crate) fn head_config(
+    link: &LinkArgs,
+    head: &HeadArgs,
+    remote: Vec<String>,
+    token: String,
+) -> HeadConfig {
     HeadConfig {
         remote,
         token,
@@ -351,7 +356,7 @@ pub struct UpArgs {
 }
 
 /// Stage processes started by `up`; stopped (SIGTERM, then SIGKILL) when dropped.
-struct Children(Vec<Child>);
+pub(crate) struct Children(pub Vec<Child>);
 
 impl Drop for Children {
     fn drop(&mut self) {
@@ -376,7 +381,7 @@ impl Drop for Children {
 }
 
 /// Splits the model into `n` stages under the cache (once), returning the manifest's path.
-fn ensure_split(model: &str, n: usize) -> Result<PathBuf> {
+pub(crate) fn ensure_split(model: &str, n: usize) -> Result<PathBuf> {
     let source = ModelSource::resolve(model, false)?;
     let gguf = match source {
         ModelSource::Manifest { path, manifest } => {
@@ -428,7 +433,7 @@ fn ensure_split(model: &str, n: usize) -> Result<PathBuf> {
 }
 
 /// Writes a fresh random cluster token, readable only by this user.
-fn write_token(path: &Path) -> Result<()> {
+pub(crate) fn write_token(path: &Path) -> Result<()> {
     use rand::Rng;
     let mut rng = rand::rng();
     let token: String = (0..32)
@@ -445,7 +450,7 @@ fn write_token(path: &Path) -> Result<()> {
 }
 
 /// Starts one stage process and waits for the port it listens on.
-fn spawn_stage(
+pub(crate) fn spawn_stage(
     shard: &Path,
     next: &str,
     token_file: &Path,
@@ -502,9 +507,40 @@ fn spawn_stage(
     Ok((child, addr.to_string()))
 }
 
-pub fn up(a: UpArgs) -> Result<()> {
-    let manifest_path = ensure_split(&a.model, a.stages)?;
-    let manifest = Manifest::load(&manifest_path)?;
+/// A ring on this machine: stage processes 1.. started, stage 0 and the head's side loaded.
+pub(crate) struct LocalRing {
+    /// The stage processes (stopped when dropped).
+    pub children: Children,
+    /// Stage 0, for the head's process.
+    pub local: LocalStage,
+    /// The model served.
+    pub model: ServedModel,
+    /// The head's configuration (remote stages, token).
+    pub config: HeadConfig,
+    /// Where the last stage delivers.
+    pub ring: std::net::TcpListener,
+}
+
+impl LocalRing {
+    /// Starts the head on this ring (inside a runtime).
+    pub async fn start_head(self) -> Result<(HeadHandle, Children)> {
+        self.ring.set_nonblocking(true)?;
+        let ring = TcpListener::from_std(self.ring)?;
+        let head = pipeshard_head::start(self.local, self.model, ring, self.config).await?;
+        Ok((head, self.children))
+    }
+}
+
+/// Starts one process per stage 1.. of a manifest on loopback, last to first (each is told
+/// where its successor listens), pinning stage i to core i*threads when `pin_each`.
+pub(crate) fn launch_local_ring(
+    manifest_path: &Path,
+    threads: usize,
+    pin_each: bool,
+    wire_dtype: WireDtype,
+    name: Option<String>,
+) -> Result<LocalRing> {
+    let manifest = Manifest::load(manifest_path)?;
     let dir = manifest_path
         .parent()
         .context("the manifest's folder")?
@@ -512,28 +548,19 @@ pub fn up(a: UpArgs) -> Result<()> {
     let token_file = dir.join("cluster.token");
     write_token(&token_file)?;
     let token = read_token_file(&token_file)?;
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let pin_each = match a.pin.as_str() {
-        "on" => true,
-        "off" => false,
-        "auto" => cores >= a.stages * a.threads.max(1),
-        other => bail!("--pin takes auto, on or off, not `{other}`"),
-    };
-    // Stages are started last to first, each told where its successor listens.
     let ring = std::net::TcpListener::bind("127.0.0.1:0")?;
-    let ring_addr = ring.local_addr()?.to_string();
     let mut children = Children(Vec::new());
-    let mut addrs = vec![String::new(); a.stages];
-    let mut next = ring_addr.clone();
+    let mut addrs = vec![String::new(); manifest.stages.len()];
+    let mut next = ring.local_addr()?.to_string();
     for s in manifest.stages.iter().skip(1).rev() {
-        let cpu = pin_each.then_some(s.index * a.threads.max(1));
+        let cpu = pin_each.then_some(s.index * threads.max(1));
         let (child, addr) = spawn_stage(
-            &Manifest::stage_path(&manifest_path, s),
+            &Manifest::stage_path(manifest_path, s),
             &next,
             &token_file,
-            a.threads,
+            threads,
             cpu,
-            a.wire_dtype,
+            wire_dtype,
         )?;
         children.0.push(child);
         addrs[s.index] = addr.clone();
@@ -542,27 +569,52 @@ pub fn up(a: UpArgs) -> Result<()> {
     if pin_each {
         pin(0)?;
     }
-    let name = a.model_name.clone().or_else(|| known_name(&a.model));
-    let (local, model, _) = load_head_side(&manifest_path, a.threads, name)?;
+    let (local, model, _) = load_head_side(manifest_path, threads, name)?;
     let link = LinkArgs {
-        token_file: token_file.clone(),
-        wire_dtype: a.wire_dtype,
+        token_file,
+        wire_dtype,
         max_message_mib: 64,
         max_step_tokens: 4096,
         max_step_seqs: 256,
     };
     let head_args = HeadArgs {
         model_name: None,
-        threads: a.threads,
+        threads,
         prefill_chunk: 256,
         max_body_kib: 1024,
         step_timeout_s: 300,
     };
     let config = head_config(&link, &head_args, addrs[1..].to_vec(), token);
-    let result = runtime()?.block_on(async move {
-        ring.set_nonblocking(true)?;
-        let ring = TcpListener::from_std(ring)?;
-        let head = pipeshard_head::start(local, model, ring, config).await?;
+    Ok(LocalRing {
+        children,
+        local,
+        model,
+        config,
+        ring,
+    })
+}
+
+/// Whether to pin each stage to its own core: `auto` pins when there are enough cores.
+pub(crate) fn pin_choice(pin: &str, stages: usize, threads: usize) -> Result<bool> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    Ok(match pin {
+        "on" => true,
+        "off" => false,
+        "auto" => cores >= stages * threads.max(1),
+        other => bail!("--pin takes auto, on or off, not `{other}`"),
+    })
+}
+
+pub fn up(a: UpArgs) -> Result<()> {
+    let manifest_path = ensure_split(&a.model, a.stages)?;
+    let pin_each = pin_choice(&a.pin, a.stages, a.threads)?;
+    let name = a.model_name.clone().or_else(|| known_name(&a.model));
+    let ring = launch_local_ring(&manifest_path, a.threads, pin_each, a.wire_dtype, name)?;
+    let rt = runtime()?;
+    let mut children = None;
+    let result = rt.block_on(async {
+        let (head, c) = ring.start_head().await?;
+        children = Some(c);
         match &a.prompt {
             Some(p) => one_request(&head, p, &a).await,
             None => {
@@ -580,6 +632,8 @@ pub fn up(a: UpArgs) -> Result<()> {
             }
         }
     });
+    // The head's tasks first, so that stopping the stages is not reported as a failure.
+    drop(rt);
     drop(children);
     result
 }
@@ -610,6 +664,7 @@ async fn one_request(head: &HeadHandle, prompt: &str, a: &UpArgs) -> Result<()> 
         max_tokens,
         stops: vec![],
         logprobs: false,
+        ignore_eos: false,
     })?;
     let mut out = std::io::stdout();
     let mut all = String::new();

@@ -75,4 +75,39 @@ try:
 except openai.BadRequestError as e:
     assert "context length" in str(e), e
 
+# A client that goes away mid-stream cancels its request: its KV caches are freed on every
+# stage (the head's /health reports each stage's live sequences, refreshed every second).
+import json
+import time
+import urllib.request
+
+health_url = sys.argv[1].rsplit("/v1", 1)[0] + "/health"
+
+
+def sequences():
+    with urllib.request.urlopen(health_url) as r:
+        return [s["sequences"] for s in json.load(r)["stages"]]
+
+
+def wait_for(pred, what, timeout=15):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        seen = sequences()
+        if pred(seen):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{what}: stages hold {seen}")
+
+
+stream = client.chat.completions.create(
+    model=model, messages=[{"role": "user", "content": "Write a very long story about a dragon."}],
+    max_tokens=4000, temperature=0, stream=True,
+)
+it = iter(stream)
+for _ in range(3):
+    next(it)
+wait_for(lambda s: all(n == 1 for n in s), "a live stream has a cache on every stage")
+stream.close()
+wait_for(lambda s: all(n == 0 for n in s), "a closed stream's caches are released")
+
 print("openai client: all checks passed")

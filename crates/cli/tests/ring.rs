@@ -336,3 +336,28 @@ fn the_api_serves_the_ring_and_names_bad_requests() {
         "{r}"
     );
 }
+
+#[test]
+fn half_precision_wire_runs_the_ring() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tiny_model(tmp.path(), Flavour::Llama, 12);
+    for dtype in ["f16", "bf16"] {
+        let got = up_json(
+            &m,
+            tmp.path(),
+            &[
+                "--prompt",
+                "hello",
+                "--max-tokens",
+                "8",
+                "--wire-dtype",
+                dtype,
+            ],
+        );
+        assert_eq!(got["usage"]["prompt_tokens"], 3, "{got}");
+        assert!(
+            got["usage"]["completion_tokens"].as_u64().unwrap() >= 1,
+            "{got}"
+        );
+    }
+}

@@ -88,6 +88,8 @@ pub struct GenRequest {
     pub stops: Vec<String>,
     /// Report each token's log-probability.
     pub logprobs: bool,
+    /// Go on past end-of-sequence tokens (benchmarks).
+    pub ignore_eos: bool,
 }
 
 /// Token counts of a finished request (OpenAI's `usage`).
@@ -257,7 +259,13 @@ pub async fn start(
     )?;
 
     let (status_tx, status_rx) = watch::channel(RingStatus::up(&infos));
-    ring::spawn_health(remotes, infos, status_tx, config.health_interval);
+    ring::spawn_health(
+        remotes,
+        infos,
+        worker.stats.clone(),
+        status_tx,
+        config.health_interval,
+    );
 
     let model = Arc::new(model);
     let (tx, rx) = mpsc::channel(1024);

@@ -4,7 +4,9 @@
 
 use std::time::Duration;
 
-use pipeshard_stage::{connect, AuthStageClient};
+use std::sync::atomic::Ordering;
+
+use pipeshard_stage::{connect, AuthStageClient, WorkerStats};
 use pipeshard_wire::pb::{self, head_server::HeadServer};
 use pipeshard_wire::{incoming, AddToken, CheckToken, Limits};
 use tokio::net::TcpListener;
@@ -149,7 +151,8 @@ pub struct StageStatus {
     pub layers: String,
     /// Answering now.
     pub up: bool,
-    /// Resident memory, bytes (as last reported).
+    /// Resident memory of the stage's process, bytes (as last reported; stage 0 shares the
+    /// head's process).
     pub resident_bytes: u64,
     /// Sequences with a KV cache there.
     pub sequences: u64,
@@ -190,16 +193,16 @@ impl RingStatus {
 pub(crate) fn spawn_health(
     mut remotes: Vec<RemoteStage>,
     infos: Vec<(String, pb::StageInfo)>,
+    local: std::sync::Arc<WorkerStats>,
     status: watch::Sender<RingStatus>,
     every: Duration,
 ) {
-    if remotes.is_empty() {
-        return;
-    }
     tokio::spawn(async move {
         loop {
             tokio::time::sleep(every).await;
             let mut next = status.borrow().clone();
+            next.stages[0].sequences = local.sequences.load(Ordering::Relaxed);
+            next.stages[0].resident_bytes = pipeshard_stage::resident_bytes();
             let mut down = None;
             for r in &mut remotes {
                 let reply = tokio::time::timeout(

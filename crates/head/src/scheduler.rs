@@ -76,7 +76,12 @@ impl State {
             }
         };
         self.next_seq += 1;
-        let stop = StopChecker::new(self.model.text.tokenizer.eos(), &req.stops, req.max_tokens);
+        let eos = if req.ignore_eos {
+            &[][..]
+        } else {
+            self.model.text.tokenizer.eos()
+        };
+        let stop = StopChecker::new(eos, &req.stops, req.max_tokens);
         self.seqs.insert(
             self.next_seq,
             Seq {
