@@ -391,3 +391,144 @@ pub(crate) fn spawn(
         }
     });
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pipeshard_generate::{SamplingParams, TextModel};
+    use pipeshard_model::gguf::GgufFile;
+    use pipeshard_testkit::{tiny_model, Flavour};
+
+    fn state(chunk: usize) -> State {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tiny_model(tmp.path(), Flavour::Llama, 1);
+        let g = GgufFile::open(&path).unwrap();
+        let model = ServedModel {
+            name: "tiny".into(),
+            text: TextModel::from_gguf(&g.content).unwrap(),
+            ctx_len: 256,
+            sha256: "x".into(),
+        };
+        let config = HeadConfig {
+            prefill_chunk: chunk,
+            ..HeadConfig::default()
+        };
+        State::new(Arc::new(model), &config)
+    }
+
+    fn request(prompt_len: usize, max_tokens: usize) -> GenRequest {
+        GenRequest {
+            prompt: (0..prompt_len as u32).map(|i| 100 + i).collect(),
+            sampling: SamplingParams::default(),
+            max_tokens,
+            stops: vec![],
+            logprobs: false,
+            ignore_eos: false,
+        }
+    }
+
+    fn reply(step: &pb::Step, token: u32) -> pb::StepResult {
+        pb::StepResult {
+            batch_id: step.batch_id,
+            seqs: step
+                .seqs
+                .iter()
+                .filter(|s| s.output != pb::Output::None as i32)
+                .map(|s| pb::SeqResult {
+                    seq_id: s.seq_id,
+                    tokens: vec![token],
+                    logprobs: vec![],
+                })
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn prompts_go_in_chunks_then_one_token_per_step_until_max_tokens() {
+        let mut st = state(4);
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        st.admit(request(10, 2), tx);
+        let mut shapes = vec![];
+        while let Some(step) = st.next_step() {
+            assert!(st.next_step().is_none(), "one step in the ring at a time");
+            let s = &step.seqs[0];
+            shapes.push((s.pos, s.n, s.output));
+            let ended = st.on_result(reply(&step, 104));
+            if !ended.is_empty() {
+                break;
+            }
+        }
+        let (none, last) = (pb::Output::None as i32, pb::Output::Last as i32);
+        assert_eq!(
+            shapes,
+            vec![(0, 4, none), (4, 4, none), (8, 2, last), (10, 1, last)]
+        );
+        let mut texts = 0;
+        loop {
+            match rx.try_recv().unwrap() {
+                GenEvent::Text { token, .. } => {
+                    assert_eq!(token, Some(104));
+                    texts += 1;
+                }
+                GenEvent::Done { finish, usage, .. } => {
+                    assert_eq!(finish, FinishReason::Length);
+                    assert_eq!((usage.prompt_tokens, usage.completion_tokens), (10, 2));
+                    break;
+                }
+                GenEvent::Error(e) => panic!("{e}"),
+            }
+        }
+        assert_eq!(texts, 2);
+        assert!(st.seqs.is_empty());
+    }
+
+    #[test]
+    fn eos_stops_and_errors_fail_only_their_step() {
+        let mut st = state(64);
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        st.admit(request(3, 50), tx);
+        let step = st.next_step().unwrap();
+        // A result for another batch is ignored; the step is still awaited.
+        let mut stray = reply(&step, 1);
+        stray.batch_id += 7;
+        assert!(st.on_result(stray).is_empty());
+        let ended = st.on_result(reply(&step, pipeshard_testkit::EOS));
+        assert_eq!(ended.len(), 1);
+        assert!(matches!(
+            rx.try_recv().unwrap(),
+            GenEvent::Done {
+                finish: FinishReason::Stop,
+                ..
+            }
+        ));
+
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        st.admit(request(3, 50), tx);
+        let step = st.next_step().unwrap();
+        let failed = st.on_result(pb::StepResult {
+            batch_id: step.batch_id,
+            error: "bad shape".into(),
+            error_stage: 2,
+            ..Default::default()
+        });
+        assert_eq!(failed.len(), 1);
+        match rx.try_recv().unwrap() {
+            GenEvent::Error(e) => assert!(e.contains("stage 2") && e.contains("bad shape"), "{e}"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn cancelled_requests_are_reaped_but_not_while_in_the_ring() {
+        let mut st = state(64);
+        let (tx, rx) = mpsc::unbounded_channel();
+        st.admit(request(3, 50), tx);
+        let step = st.next_step().unwrap();
+        drop(rx);
+        assert!(st.reap_cancelled().is_empty(), "its step is in the ring");
+        assert!(st.on_result(reply(&step, 120)).is_empty());
+        assert_eq!(st.reap_cancelled().len(), 1);
+        assert!(st.next_step().is_none());
+    }
+}
