@@ -210,13 +210,23 @@ async fn completions(
     };
     let req = validate(&st, &r.model, &r.params, prompt, Some(16))?;
     let id = format!("cmpl-{}", st.next_id.fetch_add(1, Ordering::Relaxed));
-    let rx = st.head.submit(req)?;
     let kind = Kind::Completion {
         model: r.model.clone(),
         id,
     };
-    if r.params.stream == Some(true) {
-        Ok(stream_response(kind, rx, r.params.include_usage()).into_response())
+    respond(&st, kind, req, &r.params).await
+}
+
+/// Submits a validated request and answers it whole or as a stream.
+async fn respond(
+    st: &AppState,
+    kind: Kind,
+    req: GenRequest,
+    params: &CommonParams,
+) -> Result<Response, ApiError> {
+    let rx = st.head.submit(req)?;
+    if params.stream == Some(true) {
+        Ok(stream_response(kind, rx, params.include_usage()).into_response())
     } else {
         whole_response(kind, rx).await
     }
@@ -244,16 +254,11 @@ async fn chat_completions(
     let prompt = encode(&st, &text)?;
     let req = validate(&st, &r.model, &r.params, prompt, None)?;
     let id = format!("chatcmpl-{}", st.next_id.fetch_add(1, Ordering::Relaxed));
-    let rx = st.head.submit(req)?;
     let kind = Kind::Chat {
         model: r.model.clone(),
         id,
     };
-    if r.params.stream == Some(true) {
-        Ok(stream_response(kind, rx, r.params.include_usage()).into_response())
-    } else {
-        whole_response(kind, rx).await
-    }
+    respond(&st, kind, req, &r.params).await
 }
 
 /// Which endpoint a response is for.

@@ -3,24 +3,11 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use candle_core::quantized::GgmlDType;
-use common::{fails, generate_json, ok};
+use common::{fails, generate_json, ok, split};
 use pipeshard_testkit::{tiny_model, write_tiny_gguf, Flavour, TinySpec};
-
-fn split(model: &Path, dir: &Path, how: &[&str]) -> PathBuf {
-    let mut args = vec![
-        "split",
-        model.to_str().unwrap(),
-        "--out",
-        dir.to_str().unwrap(),
-        "-q",
-    ];
-    args.extend_from_slice(how);
-    ok(&args);
-    dir.join("manifest.json")
-}
 
 #[test]
 fn shards_and_stage_counts_give_the_unsplit_tokens() {

@@ -8,38 +8,11 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::{
-    free_port, generate_json, http, ok, pipeshard_env, stage, start_stage, token_file, Proc,
+    free_port, generate_json, http, pipeshard_env, split, stage, start_stage, token_file, up_json,
+    Proc,
 };
 use pipeshard_testkit::{tiny_model, Flavour};
 use serde_json::{json, Value};
-
-fn split(model: &Path, dir: &Path, how: &[&str]) -> PathBuf {
-    let mut args = vec![
-        "split",
-        model.to_str().unwrap(),
-        "--out",
-        dir.to_str().unwrap(),
-        "-q",
-    ];
-    args.extend_from_slice(how);
-    ok(&args);
-    dir.join("manifest.json")
-}
-
-fn up_json(model: &Path, cache: &Path, extra: &[&str]) -> Value {
-    let mut args = vec![
-        "up",
-        "--model",
-        model.to_str().unwrap(),
-        "--stages",
-        "3",
-        "--json",
-    ];
-    args.extend_from_slice(extra);
-    let (success, stdout, stderr) = pipeshard_env(&args, &[("PIPESHARD_CACHE", cache)]);
-    assert!(success, "up failed:\n{stderr}");
-    serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}"))
-}
 
 #[test]
 fn three_stage_processes_give_the_unsplit_tokens() {

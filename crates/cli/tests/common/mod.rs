@@ -178,3 +178,33 @@ pub fn token_file(dir: &Path, name: &str, token: &str) -> std::path::PathBuf {
     std::fs::write(&p, format!("{token}\n")).unwrap();
     p
 }
+
+/// `pipeshard split MODEL --out DIR HOW...`; returns the manifest's path.
+pub fn split(model: &Path, dir: &Path, how: &[&str]) -> std::path::PathBuf {
+    let mut args = vec![
+        "split",
+        model.to_str().unwrap(),
+        "--out",
+        dir.to_str().unwrap(),
+        "-q",
+    ];
+    args.extend_from_slice(how);
+    ok(&args);
+    dir.join("manifest.json")
+}
+
+/// `pipeshard up --model MODEL --stages 3 --json EXTRA...` with its cache in `cache`, parsed.
+pub fn up_json(model: &Path, cache: &Path, extra: &[&str]) -> serde_json::Value {
+    let mut args = vec![
+        "up",
+        "--model",
+        model.to_str().unwrap(),
+        "--stages",
+        "3",
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    let (success, stdout, stderr) = pipeshard_env(&args, &[("PIPESHARD_CACHE", cache)]);
+    assert!(success, "up failed:\n{stderr}");
+    serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}"))
+}
