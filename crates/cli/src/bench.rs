@@ -19,6 +19,37 @@ pub enum BenchCommand {
     /// One user through a ring of stage processes on loopback, against the unsplit model in
     /// this process, alternating, same binary.
     Ring(RingArgs),
+    /// Several users at once through a ring of stage processes, against the unsplit model
+    /// serving one user on one core.
+    Throughput(ThroughputArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct ThroughputArgs {
+    /// A known model name or a GGUF file.
+    #[arg(long, default_value = crate::cmd::DEFAULT_MODEL)]
+    pub model: String,
+    /// Stages (processes; stage 0 runs in this one).
+    #[arg(long, default_value_t = 2)]
+    pub stages: usize,
+    /// Concurrent users to measure, comma-separated.
+    #[arg(long, default_value = "1,2,4,8")]
+    pub users: String,
+    /// Prompt length of each user.
+    #[arg(long, default_value_t = 32)]
+    pub prompt_tokens: usize,
+    /// Tokens each user generates.
+    #[arg(long, default_value_t = 128)]
+    pub gen_tokens: usize,
+    /// Micro-batch groups (0: one per stage).
+    #[arg(long, default_value_t = 0)]
+    pub groups: usize,
+    /// Pin each stage (and the unsplit model) to one core: auto, on, off.
+    #[arg(long, default_value = "auto")]
+    pub pin: String,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Args, Debug)]
@@ -74,6 +105,7 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Decode(a) => decode(a),
         BenchCommand::Ring(a) => ring(a),
+        BenchCommand::Throughput(a) => throughput(a),
     }
 }
 
@@ -226,7 +258,7 @@ fn ring(a: RingArgs) -> Result<()> {
         bail!("bench ring compares against the unsplit model: give a GGUF file or model name");
     };
     let pin_each = crate::serve::pin_choice(&a.pin, a.stages, 1)?;
-    let local = crate::serve::launch_local_ring(&manifest, 1, pin_each, a.wire_dtype, None)?;
+    let local = crate::serve::launch_local_ring(&manifest, 1, pin_each, a.wire_dtype, None, 0)?;
     let rt = crate::serve::runtime()?;
     let (head, children) = rt.block_on(local.start_head())?;
     // Resident memory of this process with only stage 0 and the head loaded.
@@ -288,6 +320,137 @@ fn ring(a: RingArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&out)?);
     }
     // The head's tasks first, so that stopping the stages is not reported as a failure.
+    drop(head);
+    drop(rt);
+    drop(children);
+    Ok(())
+}
+
+fn percentile(mut v: Vec<f64>, p: f64) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let i = ((v.len() as f64 - 1.0) * p).round() as usize;
+    v[i.min(v.len() - 1)]
+}
+
+/// One user's request: (time to first token, time to done, tokens), from `t0`.
+async fn user_run(
+    head: HeadHandle,
+    prompt: Vec<TokenId>,
+    gen: usize,
+    t0: Instant,
+) -> Result<(f64, f64, usize)> {
+    let mut rx = head.submit(GenRequest {
+        prompt,
+        sampling: pipeshard_generate::SamplingParams::default(),
+        max_tokens: gen,
+        stops: vec![],
+        logprobs: false,
+        ignore_eos: true,
+    })?;
+    let mut first = None;
+    let mut n = 0;
+    loop {
+        match rx.recv().await {
+            Some(GenEvent::Text { token, .. }) => {
+                first.get_or_insert_with(|| t0.elapsed().as_secs_f64());
+                n += usize::from(token.is_some());
+            }
+            Some(GenEvent::Done { .. }) => {
+                return Ok((first.unwrap_or(0.0), t0.elapsed().as_secs_f64(), n))
+            }
+            Some(GenEvent::Error(e)) => bail!("a user's request failed: {e}"),
+            None => bail!("the head stopped"),
+        }
+    }
+}
+
+fn throughput(a: ThroughputArgs) -> Result<()> {
+    let users: Vec<usize> = a
+        .users
+        .split(',')
+        .map(|u| u.trim().parse::<usize>())
+        .collect::<Result<_, _>>()
+        .context("--users takes numbers like 1,2,4,8")?;
+    let manifest = crate::serve::ensure_split(&a.model, a.stages)?;
+    let ModelSource::Gguf(gguf) = ModelSource::resolve(&a.model, true)? else {
+        bail!(
+            "bench throughput compares against the unsplit model: give a GGUF file or model name"
+        );
+    };
+    let pin_each = crate::serve::pin_choice(&a.pin, a.stages, 1)?;
+    let local = crate::serve::launch_local_ring(
+        &manifest,
+        1,
+        pin_each,
+        Default::default(),
+        None,
+        a.groups,
+    )?;
+    let rt = crate::serve::runtime()?;
+    let (head, children) = rt.block_on(local.start_head())?;
+    let mut s = Session::open(gguf.to_str().context("path")?, Some(1), 1)?;
+    let prompt = bench_prompt(&s.tokenizer, a.prompt_tokens)?;
+    // The unsplit model serving one user: whole request, prompt included.
+    let gen = a.gen_tokens.max(2);
+    let (ttft, tok_s, _) = unsplit_run(&mut s, &prompt, gen - 1)?;
+    let baseline = gen as f64 / (ttft + (gen - 1) as f64 / tok_s);
+    drop(s);
+    if !a.json {
+        eprintln!("unsplit, one user: {baseline:.2} tok/s");
+    }
+    let busy =
+        |h: &HeadHandle| -> Vec<u64> { h.status().stages.iter().map(|s| s.busy_us).collect() };
+    let settle = std::time::Duration::from_millis(1300);
+    let mut runs = Vec::new();
+    for &n in &users {
+        std::thread::sleep(settle);
+        let before = busy(&head);
+        let t0 = Instant::now();
+        let results = rt.block_on(async {
+            let tasks: Vec<_> = (0..n)
+                .map(|i| {
+                    let mut p = prompt.clone();
+                    let shift = i % p.len().max(1);
+                    p.rotate_left(shift);
+                    tokio::spawn(user_run(head.clone(), p, a.gen_tokens, t0))
+                })
+                .collect();
+            let mut out = Vec::new();
+            for t in tasks {
+                out.push(t.await.context("a user task")??);
+            }
+            Ok::<_, anyhow::Error>(out)
+        })?;
+        let wall = results.iter().map(|r| r.1).fold(0.0, f64::max);
+        std::thread::sleep(settle);
+        let after = busy(&head);
+        let tokens: usize = results.iter().map(|r| r.2).sum();
+        let aggregate = tokens as f64 / wall;
+        let ttfts: Vec<f64> = results.iter().map(|r| r.0 * 1e3).collect();
+        let stage_busy: Vec<f64> = before
+            .iter()
+            .zip(&after)
+            .map(|(b, a)| (a - b) as f64 / 1e6 / wall)
+            .collect();
+        let run = serde_json::json!({
+            "users": n, "aggregate_tok_s": aggregate, "ratio": aggregate / baseline,
+            "ttft_p50_ms": percentile(ttfts.clone(), 0.5), "ttft_p95_ms": percentile(ttfts, 0.95),
+            "stage_busy": stage_busy, "wall_s": wall,
+        });
+        if !a.json {
+            eprintln!("{run}");
+        }
+        runs.push(run);
+    }
+    let out = serde_json::json!({
+        "model": a.model, "stages": a.stages, "pinned": pin_each, "gen_tokens": a.gen_tokens,
+        "prompt_tokens": prompt.len(), "baseline_tok_s": baseline, "runs": runs,
+    });
+    if a.json {
+        println!("{out}");
+    } else {
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    }
     drop(head);
     drop(rt);
     drop(children);

@@ -215,6 +215,9 @@ pub struct HeadArgs {
     /// Seconds a step may take round the ring before its requests fail.
     #[arg(long, default_value_t = 300)]
     pub step_timeout_s: u64,
+    /// Micro-batch groups cycling through the ring (0: one per stage).
+    #[arg(long, default_value_t = 0)]
+    pub groups: usize,
 }
 
 /// Loads stage 0 of a manifest and the text model; checks the shard against the manifest.
@@ -263,6 +266,7 @@ pub(crate) fn head_config(
         wire_dtype: link.wire_dtype,
         prefill_chunk: head.prefill_chunk,
         step_timeout: Duration::from_secs(head.step_timeout_s),
+        groups: head.groups,
         ..HeadConfig::default()
     }
 }
@@ -353,6 +357,9 @@ pub struct UpArgs {
     /// The model name clients use (default: the known model's name, or the file's).
     #[arg(long)]
     pub model_name: Option<String>,
+    /// Micro-batch groups cycling through the ring (0: one per stage).
+    #[arg(long, default_value_t = 0)]
+    pub groups: usize,
 }
 
 /// Stage processes started by `up`; stopped (SIGTERM, then SIGKILL) when dropped.
@@ -539,6 +546,7 @@ pub(crate) fn launch_local_ring(
     pin_each: bool,
     wire_dtype: WireDtype,
     name: Option<String>,
+    groups: usize,
 ) -> Result<LocalRing> {
     let manifest = Manifest::load(manifest_path)?;
     let dir = manifest_path
@@ -583,6 +591,7 @@ pub(crate) fn launch_local_ring(
         prefill_chunk: 256,
         max_body_kib: 1024,
         step_timeout_s: 300,
+        groups,
     };
     let config = head_config(&link, &head_args, addrs[1..].to_vec(), token);
     Ok(LocalRing {
@@ -609,7 +618,14 @@ pub fn up(a: UpArgs) -> Result<()> {
     let manifest_path = ensure_split(&a.model, a.stages)?;
     let pin_each = pin_choice(&a.pin, a.stages, a.threads)?;
     let name = a.model_name.clone().or_else(|| known_name(&a.model));
-    let ring = launch_local_ring(&manifest_path, a.threads, pin_each, a.wire_dtype, name)?;
+    let ring = launch_local_ring(
+        &manifest_path,
+        a.threads,
+        pin_each,
+        a.wire_dtype,
+        name,
+        a.groups,
+    )?;
     let rt = runtime()?;
     let mut children = None;
     let result = rt.block_on(async {

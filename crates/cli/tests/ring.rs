@@ -127,7 +127,7 @@ struct Served {
 }
 
 /// A three-stage ring on a tiny model: two stage processes and `serve`.
-fn serve_tiny(d: &Path) -> (Served, PathBuf) {
+fn serve_tiny(d: &Path, extra: &[&str]) -> (Served, PathBuf) {
     let m = tiny_model(d, Flavour::Qwen2, 3);
     let a = split(&m, &d.join("a"), &["--stages", "3"]);
     let token = token_file(d, "token", "0123456789abcdef0123456789abcdef");
@@ -135,29 +135,27 @@ fn serve_tiny(d: &Path) -> (Served, PathBuf) {
     let ring = format!("127.0.0.1:{ring_port}");
     let (p2, a2) = stage(&d.join("a/stage-2.gguf"), &ring, &token);
     let (p1, a1) = stage(&d.join("a/stage-1.gguf"), &a2, &token);
-    let (serve, line) = Proc::start(
-        &[
-            "serve",
-            "--manifest",
-            a.to_str().unwrap(),
-            "--stage",
-            &a1,
-            "--stage",
-            &a2,
-            "--listen",
-            "127.0.0.1:0",
-            "--ring-listen",
-            &ring,
-            "--token-file",
-            token.to_str().unwrap(),
-            "--model-name",
-            "tiny",
-            "--max-body-kib",
-            "64",
-        ],
-        &[],
-    )
-    .unwrap_or_else(|e| panic!("serve failed: {e}"));
+    let mut args = vec![
+        "serve",
+        "--manifest",
+        a.to_str().unwrap(),
+        "--stage",
+        &a1,
+        "--stage",
+        &a2,
+        "--listen",
+        "127.0.0.1:0",
+        "--ring-listen",
+        &ring,
+        "--token-file",
+        token.to_str().unwrap(),
+        "--model-name",
+        "tiny",
+        "--max-body-kib",
+        "64",
+    ];
+    args.extend_from_slice(extra);
+    let (serve, line) = Proc::start(&args, &[]).unwrap_or_else(|e| panic!("serve failed: {e}"));
     let url = line
         .rsplit(' ')
         .next()
@@ -185,7 +183,7 @@ fn post(url: &str, body: &Value) -> (u16, Value) {
 #[test]
 fn the_api_serves_the_ring_and_names_bad_requests() {
     let tmp = tempfile::tempdir().unwrap();
-    let (mut s, model) = serve_tiny(tmp.path());
+    let (mut s, model) = serve_tiny(tmp.path(), &[]);
     let u = &s.url;
     let (code, health) = http("GET", &format!("{u}/health"), None);
     assert_eq!(code, 200, "{health}");
@@ -332,5 +330,67 @@ fn half_precision_wire_runs_the_ring() {
             got["usage"]["completion_tokens"].as_u64().unwrap() >= 1,
             "{got}"
         );
+    }
+}
+
+/// Many users at once, arriving at random times with prompts of different lengths, some
+/// sampling with a seed: each gets exactly what it gets alone from the unsplit model, whatever
+/// the micro-batch groups and prompt chunks it shared its steps with.
+#[test]
+fn concurrent_users_each_get_their_tokens_alone() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (s, model) = serve_tiny(tmp.path(), &["--groups", "2", "--prefill-chunk", "16"]);
+    let words = ["hello", "ring", "there", "stage", "token", "batch"];
+    for users in [1usize, 4, 8] {
+        let cases: Vec<(String, Option<u64>, usize)> = (0..users)
+            .map(|i| {
+                let n = 1 + (i * 7 + users) % 40;
+                let prompt: Vec<&str> = (0..n).map(|k| words[(k + i) % words.len()]).collect();
+                let seed = (i % 2 == 1).then_some(100 + i as u64);
+                (prompt.join(" "), seed, 8 + (i * 5) % 24)
+            })
+            .collect();
+        let want: Vec<Value> = cases
+            .iter()
+            .map(|(p, seed, max)| {
+                let max = max.to_string();
+                let mut args = vec!["--prompt", p.as_str(), "--max-tokens", &max];
+                let seed_s = seed.map(|x| x.to_string());
+                if let Some(sd) = &seed_s {
+                    args.extend_from_slice(&["--temperature", "0.9", "--seed", sd]);
+                }
+                generate_json(&model, &args)
+            })
+            .collect();
+        let url = format!("{}/v1/completions", s.url);
+        let threads: Vec<_> = cases
+            .iter()
+            .enumerate()
+            .map(|(i, (p, seed, max))| {
+                let body = json!({
+                    "model": "tiny", "prompt": p, "max_tokens": max,
+                    "temperature": if seed.is_some() { 0.9 } else { 0.0 }, "seed": seed,
+                });
+                let url = url.clone();
+                std::thread::spawn(move || {
+                    // Random-looking, reproducible arrival times.
+                    std::thread::sleep(Duration::from_millis(((i * 37) % 50) as u64));
+                    post(&url, &body)
+                })
+            })
+            .collect();
+        for (i, t) in threads.into_iter().enumerate() {
+            let (code, r) = t.join().unwrap();
+            assert_eq!(code, 200, "{r}");
+            assert_eq!(
+                r["choices"][0]["text"], want[i]["text"],
+                "user {i} of {users}: {:?}",
+                cases[i]
+            );
+            assert_eq!(
+                r["usage"]["completion_tokens"],
+                want[i]["tokens"].as_array().unwrap().len()
+            );
+        }
     }
 }

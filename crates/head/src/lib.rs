@@ -59,6 +59,8 @@ pub struct HeadConfig {
     pub step_timeout: Duration,
     /// How often the stages' health is checked.
     pub health_interval: Duration,
+    /// Micro-batch groups cycling through the ring (0: one per stage).
+    pub groups: usize,
 }
 
 impl Default for HeadConfig {
@@ -71,6 +73,7 @@ impl Default for HeadConfig {
             prefill_chunk: 256,
             step_timeout: Duration::from_secs(300),
             health_interval: Duration::from_secs(1),
+            groups: 0,
         }
     }
 }
@@ -269,6 +272,10 @@ pub async fn start(
 
     let model = Arc::new(model);
     let (tx, rx) = mpsc::channel(1024);
+    let groups = match config.groups {
+        0 => 1 + config.remote.len(),
+        n => n,
+    };
     scheduler::spawn(
         rx,
         results_rx,
@@ -276,6 +283,7 @@ pub async fn start(
         status_rx.clone(),
         model.clone(),
         &config,
+        groups,
     );
     Ok(HeadHandle {
         tx,

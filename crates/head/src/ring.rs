@@ -156,6 +156,8 @@ pub struct StageStatus {
     pub resident_bytes: u64,
     /// Sequences with a KV cache there.
     pub sequences: u64,
+    /// Microseconds spent computing since the stage started.
+    pub busy_us: u64,
 }
 
 /// The ring's state.
@@ -182,6 +184,7 @@ impl RingStatus {
                     up: true,
                     resident_bytes: i.resident_bytes,
                     sequences: 0,
+                    busy_us: 0,
                 })
                 .collect(),
         }
@@ -202,6 +205,7 @@ pub(crate) fn spawn_health(
             tokio::time::sleep(every).await;
             let mut next = status.borrow().clone();
             next.stages[0].sequences = local.sequences.load(Ordering::Relaxed);
+            next.stages[0].busy_us = local.busy_us.load(Ordering::Relaxed);
             next.stages[0].resident_bytes = pipeshard_stage::resident_bytes();
             let mut down = None;
             for r in &mut remotes {
@@ -217,6 +221,7 @@ pub(crate) fn spawn_health(
                         entry.up = true;
                         entry.resident_bytes = h.resident_bytes;
                         entry.sequences = h.sequences;
+                        entry.busy_us = h.busy_us;
                     }
                     Ok(Err(s)) => {
                         entry.up = false;

@@ -1,7 +1,12 @@
-//! The scheduler, an actor: it owns every sequence's state, builds each step from the active
-//! sequences (decode rows and prompt chunks in one forward pass), sends it to stage 0 and
-//! turns the returned token ids into text events. One step is in the ring at a time here;
-//! micro-batch groups that keep every stage busy build on this.
+//! The scheduler, an actor: it owns every sequence's state, builds steps from the active
+//! sequences (decode rows and prompt chunks in one forward pass), sends them to stage 0 and
+//! turns the returned token ids into text events.
+//!
+//! Sequences are divided into micro-batch groups (by default one per stage), each with at most
+//! one step in the ring: while stage 1 computes group A's step, stage 0 computes group B's, so
+//! every stage stays busy. A new request joins the lightest group; a group that falls idle
+//! takes sequences over from a heavier idle one. A sequence's own steps stay strictly in
+//! order, so its tokens do not depend on the grouping.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -21,6 +26,8 @@ pub(crate) enum Command {
 }
 
 struct Seq {
+    /// Its micro-batch group.
+    group: usize,
     req: GenRequest,
     events: mpsc::UnboundedSender<GenEvent>,
     /// Positions already in the stages' caches.
@@ -45,7 +52,8 @@ struct InFlight {
 pub(crate) struct State {
     model: Arc<ServedModel>,
     seqs: BTreeMap<u64, Seq>,
-    in_flight: Option<InFlight>,
+    /// Per group, its step in the ring (if any).
+    in_flight: Vec<Option<InFlight>>,
     next_seq: u64,
     next_batch: u64,
     chunk: usize,
@@ -54,11 +62,11 @@ pub(crate) struct State {
 }
 
 impl State {
-    pub fn new(model: Arc<ServedModel>, config: &HeadConfig) -> Self {
+    pub fn new(model: Arc<ServedModel>, config: &HeadConfig, groups: usize) -> Self {
         Self {
             model,
             seqs: BTreeMap::new(),
-            in_flight: None,
+            in_flight: (0..groups.max(1)).map(|_| None).collect(),
             next_seq: 0,
             next_batch: 0,
             chunk: config.prefill_chunk.max(1),
@@ -76,6 +84,9 @@ impl State {
             }
         };
         self.next_seq += 1;
+        let group = (0..self.in_flight.len())
+            .min_by_key(|&g| (self.group_size(g), g))
+            .unwrap_or(0);
         let eos = if req.ignore_eos {
             &[][..]
         } else {
@@ -85,6 +96,7 @@ impl State {
         self.seqs.insert(
             self.next_seq,
             Seq {
+                group,
                 req,
                 events,
                 fed: 0,
@@ -98,13 +110,21 @@ impl State {
         );
     }
 
+    fn group_size(&self, g: usize) -> usize {
+        self.seqs.values().filter(|s| s.group == g).count()
+    }
+
+    fn busy(&self) -> Vec<u64> {
+        self.in_flight
+            .iter()
+            .flatten()
+            .flat_map(|f| f.seqs.iter().map(|s| s.0))
+            .collect()
+    }
+
     /// Drops sequences whose client went away (not while their step is in the ring).
     pub fn reap_cancelled(&mut self) -> Vec<u64> {
-        let busy: Vec<u64> = self
-            .in_flight
-            .iter()
-            .flat_map(|f| f.seqs.iter().map(|s| s.0))
-            .collect();
+        let busy = self.busy();
         let gone: Vec<u64> = self
             .seqs
             .iter()
@@ -118,11 +138,32 @@ impl State {
         gone
     }
 
-    /// The next step, when none is in the ring and some sequence has work.
+    /// The next step: for an idle group that has sequences, after evening the idle groups
+    /// out. `None` when every group with work has its step in the ring.
     pub fn next_step(&mut self) -> Option<pb::Step> {
-        if self.in_flight.is_some() || self.seqs.is_empty() {
-            return None;
+        let idle: Vec<usize> = (0..self.in_flight.len())
+            .filter(|&g| self.in_flight[g].is_none())
+            .collect();
+        // Even out idle groups: a lighter one takes sequences over from a heavier one.
+        loop {
+            let sizes: Vec<(usize, usize)> =
+                idle.iter().map(|&g| (self.group_size(g), g)).collect();
+            let (Some(&(lo, light)), Some(&(hi, heavy))) = (sizes.iter().min(), sizes.iter().max())
+            else {
+                break;
+            };
+            if hi < lo + 2 {
+                break;
+            }
+            let moved = self
+                .seqs
+                .values_mut()
+                .rev()
+                .find(|s| s.group == heavy)
+                .expect("a heavy group has sequences");
+            moved.group = light;
         }
+        let group = idle.into_iter().find(|&g| self.group_size(g) > 0)?;
         let mut step = pb::Step::default();
         let mut fed = Vec::new();
         let mut rows = 0;
@@ -130,13 +171,13 @@ impl State {
         let mut order: Vec<u64> = self
             .seqs
             .iter()
-            .filter(|(_, s)| s.next_input.is_some())
+            .filter(|(_, s)| s.group == group && s.next_input.is_some())
             .map(|(id, _)| *id)
             .collect();
         order.extend(
             self.seqs
                 .iter()
-                .filter(|(_, s)| s.next_input.is_none())
+                .filter(|(_, s)| s.group == group && s.next_input.is_none())
                 .map(|(id, _)| *id),
         );
         for id in order {
@@ -183,7 +224,7 @@ impl State {
         }
         self.next_batch += 1;
         step.batch_id = self.next_batch;
-        self.in_flight = Some(InFlight {
+        self.in_flight[group] = Some(InFlight {
             batch_id: step.batch_id,
             seqs: fed,
             deadline: tokio::time::Instant::now() + self.step_timeout,
@@ -191,13 +232,18 @@ impl State {
         Some(step)
     }
 
+    /// When the oldest step in the ring is due back.
     pub fn deadline(&self) -> Option<tokio::time::Instant> {
-        self.in_flight.as_ref().map(|f| f.deadline)
+        self.in_flight.iter().flatten().map(|f| f.deadline).min()
     }
 
     /// Applies a step's result; returns the sequences that ended (to release).
     pub fn on_result(&mut self, r: pb::StepResult) -> Vec<u64> {
-        let Some(f) = self.in_flight.take_if(|f| f.batch_id == r.batch_id) else {
+        let Some(f) = self
+            .in_flight
+            .iter_mut()
+            .find_map(|slot| slot.take_if(|f| f.batch_id == r.batch_id))
+        else {
             tracing::warn!(
                 batch = r.batch_id,
                 "a result for no step in flight; ignored"
@@ -298,12 +344,14 @@ impl State {
         done
     }
 
-    /// Fails every sequence of the step in flight (if any); returns them (to release).
-    pub fn fail_in_flight(&mut self, msg: &str) -> Vec<u64> {
-        match self.in_flight.take() {
-            Some(f) => self.fail(&f, msg),
-            None => vec![],
-        }
+    /// Fails the sequences of every step overdue at `now`; returns them (to release).
+    pub fn fail_overdue(&mut self, now: tokio::time::Instant, msg: &str) -> Vec<u64> {
+        let overdue: Vec<InFlight> = self
+            .in_flight
+            .iter_mut()
+            .filter_map(|slot| slot.take_if(|f| f.deadline <= now))
+            .collect();
+        overdue.iter().flat_map(|f| self.fail(f, msg)).collect()
     }
 
     fn fail(&mut self, f: &InFlight, msg: &str) -> Vec<u64> {
@@ -319,7 +367,7 @@ impl State {
 
     /// Fails every sequence (the ring went down): their caches may be gone.
     pub fn fail_all(&mut self, msg: &str) -> Vec<u64> {
-        self.in_flight = None;
+        self.in_flight.iter_mut().for_each(|f| *f = None);
         let ids: Vec<u64> = self.seqs.keys().copied().collect();
         for (_, s) in std::mem::take(&mut self.seqs) {
             let _ = s.events.send(GenEvent::Error(msg.to_string()));
@@ -335,8 +383,9 @@ pub(crate) fn spawn(
     mut status: watch::Receiver<RingStatus>,
     model: Arc<ServedModel>,
     config: &HeadConfig,
+    groups: usize,
 ) {
-    let mut state = State::new(model, config);
+    let mut state = State::new(model, config, groups);
     tokio::spawn(async move {
         let release = |ids: Vec<u64>| {
             if !ids.is_empty() {
@@ -348,7 +397,7 @@ pub(crate) fn spawn(
         loop {
             release(state.reap_cancelled());
             if status.borrow().ready {
-                if let Some(step) = state.next_step() {
+                while let Some(step) = state.next_step() {
                     tracing::debug!(batch = step.batch_id, rows = step.tokens.len(), "step");
                     if !worker.send(pb::Frame {
                         kind: Some(Kind::Step(step)),
@@ -383,7 +432,8 @@ pub(crate) fn spawn(
                         None => std::future::pending().await,
                     }
                 } => {
-                    release(state.fail_in_flight("the step did not come back round the ring in time"));
+                    let now = tokio::time::Instant::now();
+                    release(state.fail_overdue(now, "the step did not come back round the ring in time"));
                 }
                 // Wake up now and then to notice clients that went away.
                 _ = tokio::time::sleep(std::time::Duration::from_millis(200)) => {}
@@ -393,13 +443,13 @@ pub(crate) fn spawn(
 }
 
 #[cfg(test)]
-mod tests {
+mod tests_support {
     use super::*;
     use pipeshard_generate::{SamplingParams, TextModel};
     use pipeshard_model::gguf::GgufFile;
     use pipeshard_testkit::{tiny_model, Flavour};
 
-    fn state(chunk: usize) -> State {
+    pub fn state(chunk: usize, groups: usize) -> State {
         let tmp = tempfile::tempdir().unwrap();
         let path = tiny_model(tmp.path(), Flavour::Llama, 1);
         let g = GgufFile::open(&path).unwrap();
@@ -413,10 +463,10 @@ mod tests {
             prefill_chunk: chunk,
             ..HeadConfig::default()
         };
-        State::new(Arc::new(model), &config)
+        State::new(Arc::new(model), &config, groups)
     }
 
-    fn request(prompt_len: usize, max_tokens: usize) -> GenRequest {
+    pub fn request(prompt_len: usize, max_tokens: usize) -> GenRequest {
         GenRequest {
             prompt: (0..prompt_len as u32).map(|i| 100 + i).collect(),
             sampling: SamplingParams::default(),
@@ -427,7 +477,7 @@ mod tests {
         }
     }
 
-    fn reply(step: &pb::Step, token: u32) -> pb::StepResult {
+    pub fn reply(step: &pb::Step, token: u32) -> pb::StepResult {
         pb::StepResult {
             batch_id: step.batch_id,
             seqs: step
@@ -443,10 +493,16 @@ mod tests {
             ..Default::default()
         }
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tests_support::*;
+    use super::*;
 
     #[test]
     fn prompts_go_in_chunks_then_one_token_per_step_until_max_tokens() {
-        let mut st = state(4);
+        let mut st = state(4, 1);
         let (tx, mut rx) = mpsc::unbounded_channel();
         st.admit(request(10, 2), tx);
         let mut shapes = vec![];
@@ -485,7 +541,7 @@ mod tests {
 
     #[test]
     fn eos_stops_and_errors_fail_only_their_step() {
-        let mut st = state(64);
+        let mut st = state(64, 1);
         let (tx, mut rx) = mpsc::unbounded_channel();
         st.admit(request(3, 50), tx);
         let step = st.next_step().unwrap();
@@ -521,7 +577,7 @@ mod tests {
 
     #[test]
     fn cancelled_requests_are_reaped_but_not_while_in_the_ring() {
-        let mut st = state(64);
+        let mut st = state(64, 1);
         let (tx, rx) = mpsc::unbounded_channel();
         st.admit(request(3, 50), tx);
         let step = st.next_step().unwrap();
@@ -530,5 +586,40 @@ mod tests {
         assert!(st.on_result(reply(&step, 120)).is_empty());
         assert_eq!(st.reap_cancelled().len(), 1);
         assert!(st.next_step().is_none());
+    }
+}
+
+#[cfg(test)]
+mod group_tests {
+    use super::tests_support::*;
+    use super::*;
+
+    #[test]
+    fn groups_each_have_a_step_in_the_ring_and_stay_balanced() {
+        let mut st = state(64, 2);
+        let mut keep = vec![];
+        for _ in 0..3 {
+            let (tx, rx) = mpsc::unbounded_channel();
+            keep.push(rx);
+            st.admit(request(3, 50), tx);
+        }
+        // Groups 0 and 1 hold 2 and 1 sequences; both get a step at once.
+        let a = st.next_step().unwrap();
+        let b = st.next_step().unwrap();
+        assert!(st.next_step().is_none());
+        assert_eq!((a.seqs.len(), b.seqs.len()), (2, 1));
+        // Group 1's result comes first; its next step goes while group 0's is still out.
+        assert!(st.on_result(reply(&b, 120)).is_empty());
+        let b2 = st.next_step().unwrap();
+        assert_eq!(b2.seqs[0].seq_id, b.seqs[0].seq_id);
+        assert_eq!(b2.seqs[0].pos, 3);
+        assert!(st.next_step().is_none());
+        // Four more arrive while both groups are out: each joins the lighter group.
+        for _ in 0..4 {
+            let (tx, rx) = mpsc::unbounded_channel();
+            keep.push(rx);
+            st.admit(request(3, 50), tx);
+        }
+        assert_eq!((st.group_size(0), st.group_size(1)), (4, 3));
     }
 }

@@ -42,6 +42,7 @@ impl pb::stage_server::Stage for StageService {
             sequences: s.sequences.load(Ordering::Relaxed),
             kv_bytes: s.kv_bytes.load(Ordering::Relaxed),
             resident_bytes: resident_bytes(),
+            busy_us: s.busy_us.load(Ordering::Relaxed),
         }))
     }
 
