@@ -29,9 +29,12 @@ pub struct ThroughputArgs {
     /// A known model name or a GGUF file.
     #[arg(long, default_value = crate::cmd::DEFAULT_MODEL)]
     pub model: String,
-    /// Stages (processes; stage 0 runs in this one).
+    /// Stages (processes; stage 0 runs in this one), layers split evenly.
     #[arg(long, default_value_t = 2)]
     pub stages: usize,
+    /// Explicit layer ranges instead, e.g. `0..16,16..28`.
+    #[arg(long)]
+    pub layers: Option<String>,
     /// Concurrent users to measure, comma-separated.
     #[arg(long, default_value = "1,2,4,8")]
     pub users: String,
@@ -57,9 +60,12 @@ pub struct RingArgs {
     /// A known model name or a GGUF file.
     #[arg(long, default_value = crate::cmd::DEFAULT_MODEL)]
     pub model: String,
-    /// Stages (processes; stage 0 runs in this one).
+    /// Stages (processes; stage 0 runs in this one), layers split evenly.
     #[arg(long, default_value_t = 2)]
     pub stages: usize,
+    /// Explicit layer ranges instead, e.g. `0..16,16..28`.
+    #[arg(long)]
+    pub layers: Option<String>,
     /// Prompt length.
     #[arg(long, default_value_t = 32)]
     pub prompt_tokens: usize,
@@ -253,11 +259,12 @@ async fn ring_run(
 }
 
 fn ring(a: RingArgs) -> Result<()> {
-    let manifest = crate::serve::ensure_split(&a.model, a.stages)?;
+    let manifest = crate::serve::ensure_split(&a.model, a.stages, a.layers.as_deref())?;
+    let stages = pipeshard_shard::Manifest::load(&manifest)?.stages.len();
     let ModelSource::Gguf(gguf) = ModelSource::resolve(&a.model, true)? else {
         bail!("bench ring compares against the unsplit model: give a GGUF file or model name");
     };
-    let pin_each = crate::serve::pin_choice(&a.pin, a.stages, 1)?;
+    let pin_each = crate::serve::pin_choice(&a.pin, stages, 1)?;
     let local = crate::serve::launch_local_ring(&manifest, 1, pin_each, a.wire_dtype, None, 0)?;
     let rt = crate::serve::runtime()?;
     let (head, children) = rt.block_on(local.start_head())?;
@@ -306,7 +313,7 @@ fn ring(a: RingArgs) -> Result<()> {
         .collect();
     let (b, r) = (median(base), median(ring));
     let out = serde_json::json!({
-        "model": a.model, "stages": a.stages, "pinned": pin_each, "wire_dtype": format!("{:?}", a.wire_dtype),
+        "model": a.model, "stages": stages, "pinned": pin_each, "wire_dtype": format!("{:?}", a.wire_dtype),
         "prompt_tokens": prompt.len(), "gen_tokens": a.gen_tokens, "runs": a.runs,
         "baseline_decode_tok_s": b, "ring_decode_tok_s": r, "ratio": r / b,
         "baseline_ttft_ms": median(base_ttft), "ring_ttft_ms": median(ring_ttft),
@@ -371,13 +378,14 @@ fn throughput(a: ThroughputArgs) -> Result<()> {
         .map(|u| u.trim().parse::<usize>())
         .collect::<Result<_, _>>()
         .context("--users takes numbers like 1,2,4,8")?;
-    let manifest = crate::serve::ensure_split(&a.model, a.stages)?;
+    let manifest = crate::serve::ensure_split(&a.model, a.stages, a.layers.as_deref())?;
+    let stages = pipeshard_shard::Manifest::load(&manifest)?.stages.len();
     let ModelSource::Gguf(gguf) = ModelSource::resolve(&a.model, true)? else {
         bail!(
             "bench throughput compares against the unsplit model: give a GGUF file or model name"
         );
     };
-    let pin_each = crate::serve::pin_choice(&a.pin, a.stages, 1)?;
+    let pin_each = crate::serve::pin_choice(&a.pin, stages, 1)?;
     let local = crate::serve::launch_local_ring(
         &manifest,
         1,
@@ -443,7 +451,7 @@ fn throughput(a: ThroughputArgs) -> Result<()> {
         runs.push(run);
     }
     let out = serde_json::json!({
-        "model": a.model, "stages": a.stages, "pinned": pin_each, "gen_tokens": a.gen_tokens,
+        "model": a.model, "stages": stages, "pinned": pin_each, "gen_tokens": a.gen_tokens,
         "prompt_tokens": prompt.len(), "baseline_tok_s": baseline, "runs": runs,
     });
     if a.json {

@@ -318,9 +318,13 @@ pub struct UpArgs {
     /// A known model name, a GGUF file or a manifest.
     #[arg(long, default_value = DEFAULT_MODEL)]
     pub model: String,
-    /// Number of stages (one process each; stage 0 runs in this one).
+    /// Number of stages (one process each; stage 0 runs in this one), layers split evenly.
     #[arg(long, default_value_t = 3)]
     pub stages: usize,
+    /// Explicit layer ranges instead, e.g. `0..16,16..28` (the last stage also runs the
+    /// lm_head, so it may want fewer layers).
+    #[arg(long)]
+    pub layers: Option<String>,
     /// HTTP port of the API (0: any free port).
     #[arg(long, default_value_t = 8080)]
     pub port: u16,
@@ -388,13 +392,13 @@ impl Drop for Children {
 }
 
 /// Splits the model into `n` stages under the cache (once), returning the manifest's path.
-pub(crate) fn ensure_split(model: &str, n: usize) -> Result<PathBuf> {
+pub(crate) fn ensure_split(model: &str, n: usize, layers: Option<&str>) -> Result<PathBuf> {
     let source = ModelSource::resolve(model, false)?;
     let gguf = match source {
         ModelSource::Manifest { path, manifest } => {
-            if manifest.stages.len() != n {
+            if manifest.stages.len() != n || layers.is_some() {
                 bail!(
-                    "{} has {} stages, not {n}",
+                    "{} is already split into {} stages; give the model itself to split it otherwise",
                     path.display(),
                     manifest.stages.len()
                 );
@@ -403,39 +407,49 @@ pub(crate) fn ensure_split(model: &str, n: usize) -> Result<PathBuf> {
         }
         ModelSource::Gguf(p) => p,
     };
+    let g = GgufFile::open(&gguf)?;
+    let c = pipeshard_model::ModelConfig::from_gguf(&g.content)?;
+    let ranges = match layers {
+        Some(spec) => {
+            let r = pipeshard_shard::parse_layers(spec)?;
+            pipeshard_model::LayerRange::check_tiling(&r, c.n_layers)?;
+            r
+        }
+        None => {
+            if n == 0 || n > c.n_layers {
+                bail!("cannot split {} layers into {n} stages", c.n_layers);
+            }
+            pipeshard_model::LayerRange::even_split(c.n_layers, n)
+        }
+    };
     let stem = gguf
         .file_stem()
         .map(|s| s.to_string_lossy().to_string())
         .unwrap_or_else(|| "model".into());
+    let bounds: Vec<String> = ranges.iter().map(|r| r.end.to_string()).collect();
     let dir = pipeshard_shard::cache_dir()
         .join("shards")
-        .join(format!("{stem}-{n}"));
+        .join(format!("{stem}-{}", bounds.join("_")));
     let manifest_path = dir.join("manifest.json");
     let size = std::fs::metadata(&gguf)?.len();
     if let Ok(m) = Manifest::load(&manifest_path) {
-        if m.model.bytes == size
-            && m.stages.len() == n
-            && m.verify(&manifest_path, false, true).is_ok()
-        {
+        let same = m.stages.iter().map(|s| s.layers).eq(ranges.iter().copied());
+        if m.model.bytes == size && same && m.verify(&manifest_path, false, true).is_ok() {
             return Ok(manifest_path);
         }
     }
-    let g = GgufFile::open(&gguf)?;
-    let c = pipeshard_model::ModelConfig::from_gguf(&g.content)?;
-    if n == 0 || n > c.n_layers {
-        bail!("cannot split {} layers into {n} stages", c.n_layers);
-    }
     eprintln!(
-        "splitting {} into {n} stages in {}",
+        "splitting {} into {} stages ({}) in {}",
         gguf.display(),
+        ranges.len(),
+        ranges
+            .iter()
+            .map(|r| r.to_string())
+            .collect::<Vec<_>>()
+            .join(", "),
         dir.display()
     );
-    pipeshard_shard::split(
-        &gguf,
-        &pipeshard_model::LayerRange::even_split(c.n_layers, n),
-        &dir,
-        false,
-    )?;
+    pipeshard_shard::split(&gguf, &ranges, &dir, false)?;
     Ok(manifest_path)
 }
 
@@ -615,8 +629,9 @@ pub(crate) fn pin_choice(pin: &str, stages: usize, threads: usize) -> Result<boo
 }
 
 pub fn up(a: UpArgs) -> Result<()> {
-    let manifest_path = ensure_split(&a.model, a.stages)?;
-    let pin_each = pin_choice(&a.pin, a.stages, a.threads)?;
+    let manifest_path = ensure_split(&a.model, a.stages, a.layers.as_deref())?;
+    let stages = Manifest::load(&manifest_path)?.stages.len();
+    let pin_each = pin_choice(&a.pin, stages, a.threads)?;
     let name = a.model_name.clone().or_else(|| known_name(&a.model));
     let ring = launch_local_ring(
         &manifest_path,
@@ -641,7 +656,7 @@ pub fn up(a: UpArgs) -> Result<()> {
                 println!(
                     "pipeshard: {} on {} stages at http://{addr}/v1 (Ctrl-C stops)",
                     head.model().name,
-                    a.stages
+                    stages
                 );
                 std::io::stdout().flush()?;
                 serve_api(head, api, 1 << 20).await
