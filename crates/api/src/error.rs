@@ -14,6 +14,8 @@ pub struct ApiError {
     message: String,
     param: Option<&'static str>,
     code: Option<&'static str>,
+    /// Seconds for a `Retry-After` header.
+    retry_after: Option<u32>,
 }
 
 impl ApiError {
@@ -25,6 +27,7 @@ impl ApiError {
             message: message.into(),
             param: None,
             code: None,
+            retry_after: None,
         }
     }
     /// 400.
@@ -76,6 +79,11 @@ impl From<HeadError> for ApiError {
     fn from(e: HeadError) -> Self {
         match e {
             HeadError::Invalid(m) => Self::bad_request(m),
+            HeadError::Busy(m) => {
+                let mut e = Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", m);
+                e.retry_after = Some(1);
+                e
+            }
             e @ (HeadError::Unavailable(_) | HeadError::Ring(_) | HeadError::Stopped) => Self::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "service_unavailable",
@@ -95,6 +103,11 @@ impl IntoResponse for ApiError {
         if self.status.is_server_error() {
             tracing::warn!(status = %self.status, "{}", self.message);
         }
-        (self.status, Json(self.body())).into_response()
+        let mut r = (self.status, Json(self.body())).into_response();
+        if let Some(s) = self.retry_after {
+            r.headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, s.into());
+        }
+        r
     }
 }

@@ -74,6 +74,9 @@ pub struct StageArgs {
     /// Pin this process to one CPU core.
     #[arg(long)]
     pub cpu: Option<usize>,
+    /// KV cache budget, KiB (default: 80% of the memory available at start).
+    #[arg(long)]
+    pub kv_budget_kib: Option<u64>,
 }
 
 pub(crate) fn runtime() -> Result<tokio::runtime::Runtime> {
@@ -140,7 +143,8 @@ pub fn stage(a: StageArgs) -> Result<()> {
         } else {
             LinkTarget::Stage(a.next.clone())
         };
-        let info = stage_info(&stage, &identity, a.link.wire_dtype, &a.next);
+        let budget = pipeshard_stage::kv_budget(a.kv_budget_kib);
+        let info = stage_info(&stage, &identity, a.link.wire_dtype, &a.next, budget);
         eprintln!(
             "stage {} of {}: layers {}..{} of {}, {} MB of weights, sending to {}",
             identity.index,
@@ -218,6 +222,12 @@ pub struct HeadArgs {
     /// Micro-batch groups cycling through the ring (0: one per stage).
     #[arg(long, default_value_t = 0)]
     pub groups: usize,
+    /// KV cache budget of stage 0, KiB (default: 80% of the memory available at start).
+    #[arg(long)]
+    pub kv_budget_kib: Option<u64>,
+    /// Requests that may wait for KV room; beyond, new ones get 429.
+    #[arg(long, default_value_t = 64)]
+    pub max_queue: usize,
 }
 
 /// Loads stage 0 of a manifest and the text model; checks the shard against the manifest.
@@ -267,6 +277,8 @@ pub(crate) fn head_config(
         prefill_chunk: head.prefill_chunk,
         step_timeout: Duration::from_secs(head.step_timeout_s),
         groups: head.groups,
+        kv_budget_bytes: pipeshard_stage::kv_budget(head.kv_budget_kib),
+        max_queue: head.max_queue,
         ..HeadConfig::default()
     }
 }
@@ -606,6 +618,8 @@ pub(crate) fn launch_local_ring(
         max_body_kib: 1024,
         step_timeout_s: 300,
         groups,
+        kv_budget_kib: None,
+        max_queue: 64,
     };
     let config = head_config(&link, &head_args, addrs[1..].to_vec(), token);
     Ok(LocalRing {

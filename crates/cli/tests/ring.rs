@@ -394,3 +394,73 @@ fn concurrent_users_each_get_their_tokens_alone() {
         }
     }
 }
+
+/// KV admission: a request runs only when its whole context fits every stage's KV budget;
+/// others wait in a bounded queue, and beyond it get 429 with Retry-After; one that can never
+/// fit gets 400. Whoever is served gets the tokens it gets alone.
+#[test]
+fn kv_budgets_queue_and_refuse_requests() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (s, model) = serve_tiny(tmp.path(), &["--kv-budget-kib", "150", "--max-queue", "1"]);
+    let (_, health) = http("GET", &format!("{}/health", s.url), None);
+    let health: Value = serde_json::from_str(&health).unwrap();
+    let per = health["stages"][0]["kv_bytes_per_token"].as_u64().unwrap();
+    let budget = health["stages"][0]["kv_budget_bytes"].as_u64().unwrap();
+    assert_eq!(budget, 150 * 1024);
+    let prompt = "hello ring";
+    let prompt_len = generate_json(&model, &["--prompt", prompt, "--max-tokens", "1"])
+        ["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .len();
+    // One request's context takes two thirds of the budget: two never fit together.
+    let max = (budget / per) as usize * 2 / 3 - prompt_len;
+    assert!(max > 8, "{per} bytes per token");
+    let url = format!("{}/v1/completions", s.url);
+    let (code, r) = post(
+        &url,
+        &json!({"model": "tiny", "prompt": prompt, "max_tokens": (budget / per) as usize}),
+    );
+    assert_eq!(code, 400, "{r}");
+    assert!(
+        r["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("KV cache on stage 0"),
+        "{r}"
+    );
+
+    let want = generate_json(
+        &model,
+        &["--prompt", prompt, "--max-tokens", &max.to_string()],
+    );
+    let body =
+        json!({"model": "tiny", "prompt": prompt, "max_tokens": max, "temperature": 0}).to_string();
+    let threads: Vec<_> = (0..6)
+        .map(|_| {
+            let (url, body) = (url.clone(), body.clone());
+            std::thread::spawn(move || common::http_with_retry_after("POST", &url, Some(&body)))
+        })
+        .collect();
+    let (mut served, mut refused) = (0, 0);
+    for t in threads {
+        let (code, text, retry) = t.join().unwrap();
+        match code {
+            200 => {
+                let r: Value = serde_json::from_str(&text).unwrap();
+                assert_eq!(r["choices"][0]["text"], want["text"]);
+                served += 1;
+            }
+            429 => {
+                assert_eq!(retry.as_deref(), Some("1"), "{text}");
+                assert!(text.contains("wait for KV cache room"), "{text}");
+                refused += 1;
+            }
+            other => panic!("{other}: {text}"),
+        }
+    }
+    assert!(
+        served >= 2 && refused >= 1,
+        "{served} served, {refused} refused"
+    );
+}

@@ -34,6 +34,9 @@ pub enum HeadError {
     /// The request cannot be served as given.
     #[error("{0}")]
     Invalid(String),
+    /// Too many requests wait for room; try again later.
+    #[error("{0}")]
+    Busy(String),
     /// The local stage could not start.
     #[error(transparent)]
     Stage(#[from] pipeshard_stage::StageError),
@@ -61,6 +64,10 @@ pub struct HeadConfig {
     pub health_interval: Duration,
     /// Micro-batch groups cycling through the ring (0: one per stage).
     pub groups: usize,
+    /// KV budget of the local stage 0, bytes.
+    pub kv_budget_bytes: u64,
+    /// Requests that may wait for KV room; beyond, new ones are refused (429).
+    pub max_queue: usize,
 }
 
 impl Default for HeadConfig {
@@ -74,6 +81,8 @@ impl Default for HeadConfig {
             step_timeout: Duration::from_secs(300),
             health_interval: Duration::from_secs(1),
             groups: 0,
+            kv_budget_bytes: pipeshard_stage::kv_budget(None),
+            max_queue: 64,
         }
     }
 }
@@ -151,6 +160,11 @@ pub struct HeadHandle {
     tx: mpsc::Sender<scheduler::Command>,
     status: watch::Receiver<RingStatus>,
     model: Arc<ServedModel>,
+    /// Requests waiting for KV room (kept by the scheduler).
+    waiting: Arc<std::sync::atomic::AtomicUsize>,
+    max_queue: usize,
+    /// Per stage: (KV budget bytes, KV bytes per position).
+    budgets: Vec<(u64, u64)>,
 }
 
 impl HeadHandle {
@@ -177,6 +191,22 @@ impl HeadHandle {
         req.sampling
             .validate()
             .map_err(|e| HeadError::Invalid(e.to_string()))?;
+        let positions = (req.prompt.len() + req.max_tokens) as u64;
+        for (i, (budget, per)) in self.budgets.iter().enumerate() {
+            if positions * per > *budget {
+                return Err(HeadError::Invalid(format!(
+                    "the request needs {} KiB of KV cache on stage {i}, whose whole budget is {} KiB; ask for fewer tokens",
+                    positions * per / 1024,
+                    budget / 1024
+                )));
+            }
+        }
+        let waiting = self.waiting.load(std::sync::atomic::Ordering::Relaxed);
+        if waiting >= self.max_queue {
+            return Err(HeadError::Busy(format!(
+                "{waiting} requests already wait for KV cache room; try again shortly"
+            )));
+        }
         let (events, rx) = mpsc::unbounded_channel();
         self.tx
             .try_send(scheduler::Command::Submit { req, events })
@@ -230,7 +260,13 @@ pub async fn start(
         .first()
         .cloned()
         .unwrap_or_else(|| "head (in-process)".into());
-    let local_info = stage_info(&local.stage, &local.identity, config.wire_dtype, &next);
+    let local_info = stage_info(
+        &local.stage,
+        &local.identity,
+        config.wire_dtype,
+        &next,
+        config.kv_budget_bytes,
+    );
     let remotes = ring::connect_all(&config.remote, &add_token, &config.limits).await?;
     let mut infos = vec![("the head's stage 0".to_string(), local_info.clone())];
     infos.extend(remotes.iter().map(|r| (r.describe(), r.info.clone())));
@@ -261,6 +297,12 @@ pub async fn start(
         out,
     )?;
 
+    let waiting = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let budgets: Vec<(u64, u64)> = infos
+        .iter()
+        .map(|(_, i)| (i.kv_budget_bytes, i.kv_bytes_per_token))
+        .collect();
+    let budgets_for_handle = budgets.clone();
     let (status_tx, status_rx) = watch::channel(RingStatus::up(&infos));
     ring::spawn_health(
         remotes,
@@ -272,23 +314,20 @@ pub async fn start(
 
     let model = Arc::new(model);
     let (tx, rx) = mpsc::channel(1024);
+
     let groups = match config.groups {
         0 => 1 + config.remote.len(),
         n => n,
     };
-    scheduler::spawn(
-        rx,
-        results_rx,
-        worker,
-        status_rx.clone(),
-        model.clone(),
-        &config,
-        groups,
-    );
+    let state = scheduler::State::new(model.clone(), &config, groups, budgets, waiting.clone());
+    scheduler::spawn(rx, results_rx, worker, status_rx.clone(), state);
     Ok(HeadHandle {
         tx,
         status: status_rx,
         model,
+        waiting,
+        max_queue: config.max_queue,
+        budgets: budgets_for_handle,
     })
 }
 

@@ -158,6 +158,10 @@ pub struct StageStatus {
     pub sequences: u64,
     /// Microseconds spent computing since the stage started.
     pub busy_us: u64,
+    /// Bytes the stage may spend on KV caches.
+    pub kv_budget_bytes: u64,
+    /// KV bytes per token position there.
+    pub kv_bytes_per_token: u64,
 }
 
 /// The ring's state.
@@ -185,6 +189,8 @@ impl RingStatus {
                     resident_bytes: i.resident_bytes,
                     sequences: 0,
                     busy_us: 0,
+                    kv_budget_bytes: i.kv_budget_bytes,
+                    kv_bytes_per_token: i.kv_bytes_per_token,
                 })
                 .collect(),
         }

@@ -8,7 +8,8 @@
 //! takes sequences over from a heavier idle one. A sequence's own steps stay strictly in
 //! order, so its tokens do not depend on the grouping.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use pipeshard_generate::{Detokenizer, FinishReason, Sampler, StopChecker};
@@ -59,11 +60,29 @@ pub(crate) struct State {
     chunk: usize,
     max_rows: usize,
     step_timeout: std::time::Duration,
+    /// Per stage: (KV budget bytes, KV bytes per position).
+    budgets: Vec<(u64, u64)>,
+    /// Per stage: KV bytes reserved by the admitted sequences (their whole context).
+    reserved: Vec<u64>,
+    /// Requests waiting for KV room, oldest first.
+    queue: VecDeque<(GenRequest, mpsc::UnboundedSender<GenEvent>)>,
+    /// The queue's length, for the handle to refuse requests when it is full.
+    waiting: Arc<AtomicUsize>,
 }
 
 impl State {
-    pub fn new(model: Arc<ServedModel>, config: &HeadConfig, groups: usize) -> Self {
+    pub fn new(
+        model: Arc<ServedModel>,
+        config: &HeadConfig,
+        groups: usize,
+        budgets: Vec<(u64, u64)>,
+        waiting: Arc<AtomicUsize>,
+    ) -> Self {
         Self {
+            reserved: vec![0; budgets.len()],
+            budgets,
+            queue: VecDeque::new(),
+            waiting,
             model,
             seqs: BTreeMap::new(),
             in_flight: (0..groups.max(1)).map(|_| None).collect(),
@@ -75,10 +94,81 @@ impl State {
         }
     }
 
+    /// KV bytes a request needs on each stage: its whole context.
+    fn need(&self, req: &GenRequest) -> Vec<u64> {
+        let positions = (req.prompt.len() + req.max_tokens) as u64;
+        self.budgets
+            .iter()
+            .map(|(_, per)| positions * per)
+            .collect()
+    }
+
+    fn fits(&self, need: &[u64]) -> bool {
+        need.iter()
+            .zip(&self.reserved)
+            .zip(&self.budgets)
+            .all(|((n, r), (b, _))| r + n <= *b)
+    }
+
+    /// Takes a request: refused at once if it can never fit, else queued until its whole
+    /// context fits in every stage's KV budget.
     pub fn admit(&mut self, req: GenRequest, events: mpsc::UnboundedSender<GenEvent>) {
+        let need = self.need(&req);
+        if let Some((i, (n, (b, _)))) = need
+            .iter()
+            .zip(&self.budgets)
+            .enumerate()
+            .find(|(_, (n, (b, _)))| *n > b)
+        {
+            let _ = events.send(GenEvent::Error(format!(
+                "the request needs {} KiB of KV cache on stage {i}, whose whole budget is {} KiB; ask for fewer tokens",
+                n / 1024,
+                b / 1024
+            )));
+            return;
+        }
+        self.queue.push_back((req, events));
+        self.admit_waiting();
+    }
+
+    /// Admits waiting requests, oldest first, while they fit.
+    pub fn admit_waiting(&mut self) {
+        while let Some((req, events)) = self.queue.front() {
+            if events.is_closed() {
+                self.queue.pop_front();
+                continue;
+            }
+            let need = self.need(req);
+            if !self.fits(&need) {
+                break;
+            }
+            for (r, n) in self.reserved.iter_mut().zip(&need) {
+                *r += n;
+            }
+            let (req, events) = self.queue.pop_front().expect("front exists");
+            self.start(req, events);
+        }
+        self.waiting.store(self.queue.len(), Ordering::Relaxed);
+    }
+
+    /// Forgets a sequence and frees its reservation.
+    fn remove(&mut self, id: u64) -> Option<Seq> {
+        let s = self.seqs.remove(&id)?;
+        let need = self.need(&s.req);
+        for (r, n) in self.reserved.iter_mut().zip(&need) {
+            *r = r.saturating_sub(*n);
+        }
+        Some(s)
+    }
+
+    fn start(&mut self, req: GenRequest, events: mpsc::UnboundedSender<GenEvent>) {
         let draws = match Sampler::new(req.sampling.clone()) {
             Ok(s) => s,
             Err(e) => {
+                let need = self.need(&req);
+                for (r, n) in self.reserved.iter_mut().zip(&need) {
+                    *r = r.saturating_sub(*n);
+                }
                 let _ = events.send(GenEvent::Error(e.to_string()));
                 return;
             }
@@ -132,7 +222,7 @@ impl State {
             .map(|(id, _)| *id)
             .collect();
         for id in &gone {
-            self.seqs.remove(id);
+            self.remove(*id);
             tracing::info!(seq = id, "client went away; sequence cancelled");
         }
         gone
@@ -304,7 +394,7 @@ impl State {
             }
         }
         for id in &ended {
-            self.seqs.remove(id);
+            self.remove(*id);
         }
         ended
     }
@@ -358,7 +448,7 @@ impl State {
         tracing::warn!(batch = f.batch_id, "{msg}");
         let ids: Vec<u64> = f.seqs.iter().map(|s| s.0).collect();
         for id in &ids {
-            if let Some(s) = self.seqs.remove(id) {
+            if let Some(s) = self.remove(*id) {
                 let _ = s.events.send(GenEvent::Error(msg.to_string()));
             }
         }
@@ -369,8 +459,10 @@ impl State {
     pub fn fail_all(&mut self, msg: &str) -> Vec<u64> {
         self.in_flight.iter_mut().for_each(|f| *f = None);
         let ids: Vec<u64> = self.seqs.keys().copied().collect();
-        for (_, s) in std::mem::take(&mut self.seqs) {
-            let _ = s.events.send(GenEvent::Error(msg.to_string()));
+        for id in &ids {
+            if let Some(s) = self.remove(*id) {
+                let _ = s.events.send(GenEvent::Error(msg.to_string()));
+            }
         }
         ids
     }
@@ -381,11 +473,8 @@ pub(crate) fn spawn(
     mut results: mpsc::Receiver<pb::Frame>,
     worker: Worker,
     mut status: watch::Receiver<RingStatus>,
-    model: Arc<ServedModel>,
-    config: &HeadConfig,
-    groups: usize,
+    mut state: State,
 ) {
-    let mut state = State::new(model, config, groups);
     tokio::spawn(async move {
         let release = |ids: Vec<u64>| {
             if !ids.is_empty() {
@@ -396,6 +485,7 @@ pub(crate) fn spawn(
         };
         loop {
             release(state.reap_cancelled());
+            state.admit_waiting();
             if status.borrow().ready {
                 while let Some(step) = state.next_step() {
                     tracing::debug!(batch = step.batch_id, rows = step.tokens.len(), "step");
@@ -463,7 +553,13 @@ mod tests_support {
             prefill_chunk: chunk,
             ..HeadConfig::default()
         };
-        State::new(Arc::new(model), &config, groups)
+        State::new(
+            Arc::new(model),
+            &config,
+            groups,
+            vec![(u64::MAX / 2, 1)],
+            Arc::default(),
+        )
     }
 
     pub fn request(prompt_len: usize, max_tokens: usize) -> GenRequest {
@@ -621,5 +717,41 @@ mod group_tests {
             st.admit(request(3, 50), tx);
         }
         assert_eq!((st.group_size(0), st.group_size(1)), (4, 3));
+    }
+}
+
+#[cfg(test)]
+mod admission_tests {
+    use super::tests_support::*;
+    use super::*;
+
+    #[test]
+    fn requests_wait_for_kv_room_and_oversized_ones_are_refused() {
+        let mut st = state(64, 1);
+        // Two stages; each position costs 10 and 20 bytes; stage 1 holds 2,000 bytes.
+        st.budgets = vec![(1_000_000, 10), (2_000, 20)];
+        st.reserved = vec![0, 0];
+        let mut rxs = vec![];
+        for _ in 0..3 {
+            let (tx, rx) = mpsc::unbounded_channel();
+            rxs.push(rx);
+            st.admit(request(10, 40), tx); // 50 positions: 1,000 bytes on stage 1
+        }
+        assert_eq!(st.seqs.len(), 2);
+        assert_eq!(st.waiting.load(Ordering::Relaxed), 1);
+        // One that can never fit is refused with the stage named.
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        st.admit(request(10, 100), tx);
+        match rx.try_recv().unwrap() {
+            GenEvent::Error(e) => assert!(e.contains("stage 1") && e.contains("budget"), "{e}"),
+            other => panic!("{other:?}"),
+        }
+        // When one finishes, the waiting one is admitted.
+        let first = *st.seqs.keys().next().unwrap();
+        assert!(st.remove(first).is_some());
+        st.admit_waiting();
+        assert_eq!(st.seqs.len(), 2);
+        assert_eq!(st.waiting.load(Ordering::Relaxed), 0);
+        assert_eq!(st.reserved, vec![1_000, 2_000]);
     }
 }

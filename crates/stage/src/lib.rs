@@ -47,12 +47,43 @@ pub struct StageIdentity {
     pub model_sha256: String,
 }
 
+/// KV bytes one position costs on `stage`: keys and values in f32 for each of its layers,
+/// doubled because a cache grows by doubling its capacity.
+pub fn kv_bytes_per_token(stage: &pipeshard_model::Stage) -> u64 {
+    let c = stage.config();
+    (stage.range().len() * 2 * c.n_kv_heads * c.head_dim * 4 * 2) as u64
+}
+
+/// Memory the system can still give (Linux `MemAvailable`; 0 when unknown).
+pub fn available_memory() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("MemAvailable:"))?
+                .split_whitespace()
+                .nth(1)?
+                .parse::<u64>()
+                .ok()
+        })
+        .map_or(0, |kib| kib * 1024)
+}
+
+/// A KV budget: `kib` KiB when given, else 80% of the memory available now.
+pub fn kv_budget(kib: Option<u64>) -> u64 {
+    match kib {
+        Some(k) => k * 1024,
+        None => available_memory() / 10 * 8,
+    }
+}
+
 /// The `Info` a stage reports.
 pub fn stage_info(
     stage: &pipeshard_model::Stage,
     id: &StageIdentity,
     wire_dtype: pipeshard_wire::WireDtype,
     next: &str,
+    kv_budget_bytes: u64,
 ) -> pipeshard_wire::pb::StageInfo {
     let c = stage.config();
     pipeshard_wire::pb::StageInfo {
@@ -70,5 +101,7 @@ pub fn stage_info(
         context_len: c.ctx_len as u32,
         wire_dtype: wire_dtype.to_i32(),
         next: next.to_string(),
+        kv_budget_bytes,
+        kv_bytes_per_token: kv_bytes_per_token(stage),
     }
 }

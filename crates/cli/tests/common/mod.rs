@@ -154,6 +154,16 @@ pub fn start_stage(shard: &Path, next: &str, token_file: &Path) -> Result<(Proc,
 
 /// An HTTP request; returns (status, body).
 pub fn http(method: &str, url: &str, body: Option<&str>) -> (u16, String) {
+    let (status, text, _) = http_with_retry_after(method, url, body);
+    (status, text)
+}
+
+/// An HTTP request; returns (status, body, Retry-After header).
+pub fn http_with_retry_after(
+    method: &str,
+    url: &str,
+    body: Option<&str>,
+) -> (u16, String, Option<String>) {
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .http_status_as_error(false)
         .build()
@@ -168,8 +178,13 @@ pub fn http(method: &str, url: &str, body: Option<&str>) -> (u16, String) {
     };
     let mut resp = resp.unwrap_or_else(|e| panic!("{method} {url}: {e}"));
     let status = resp.status().as_u16();
+    let retry = resp
+        .headers()
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
     let text = resp.body_mut().read_to_string().unwrap_or_default();
-    (status, text)
+    (status, text, retry)
 }
 
 /// Writes a cluster token file.
