@@ -270,6 +270,9 @@ impl State {
                 .filter(|(_, s)| s.group == group && s.next_input.is_none())
                 .map(|(id, _)| *id),
         );
+        // Prompt rows per step are bounded by one chunk, shared in arrival order: a long
+        // prompt delays its group's decoding sequences by at most one chunk's time.
+        let mut prefill_budget = self.chunk;
         for id in order {
             let s = self.seqs.get_mut(&id).expect("id taken from the map");
             let budget = self.max_rows - rows;
@@ -280,7 +283,11 @@ impl State {
                 Some(t) => (vec![t], true),
                 None => {
                     let left = s.req.prompt.len() - s.fed;
-                    let n = left.min(self.chunk).min(budget);
+                    let n = left.min(prefill_budget).min(budget);
+                    if n == 0 {
+                        continue;
+                    }
+                    prefill_budget -= n;
                     (s.req.prompt[s.fed..s.fed + n].to_vec(), n == left)
                 }
             };
@@ -753,5 +760,55 @@ mod admission_tests {
         assert_eq!(st.seqs.len(), 2);
         assert_eq!(st.waiting.load(Ordering::Relaxed), 0);
         assert_eq!(st.reserved, vec![1_000, 2_000]);
+    }
+}
+
+#[cfg(test)]
+mod fairness_tests {
+    use super::tests_support::*;
+    use super::*;
+
+    #[test]
+    fn long_prompts_share_one_chunk_per_step_and_decoding_goes_on() {
+        let mut st = state(8, 1);
+        let mut keep = vec![];
+        let (tx, rx) = mpsc::unbounded_channel();
+        keep.push(rx);
+        st.admit(request(3, 100), tx);
+        let step = st.next_step().unwrap();
+        st.on_result(reply(&step, 120));
+        // Two long prompts arrive while the first sequence decodes.
+        for _ in 0..2 {
+            let (tx, rx) = mpsc::unbounded_channel();
+            keep.push(rx);
+            st.admit(request(20, 5), tx);
+        }
+        let mut prompt_rows_seen = vec![];
+        for _ in 0..6 {
+            let step = st.next_step().unwrap();
+            let first = &step.seqs[0];
+            assert_eq!(
+                (first.seq_id, first.n),
+                (1, 1),
+                "the decoding sequence goes every step"
+            );
+            let prompt_rows: u32 = step.seqs[1..]
+                .iter()
+                .filter(|s| s.output == pb::Output::None as i32 || s.n > 1)
+                .map(|s| s.n)
+                .sum();
+            assert!(prompt_rows <= 8, "{prompt_rows} prompt rows in one step");
+            prompt_rows_seen.push(
+                step.seqs[1..]
+                    .iter()
+                    .map(|s| (s.seq_id, s.n))
+                    .collect::<Vec<_>>(),
+            );
+            st.on_result(reply(&step, 120));
+        }
+        // Arrival order: the older prompt is read first, then the newer one.
+        assert_eq!(prompt_rows_seen[0], vec![(2, 8)]);
+        assert_eq!(prompt_rows_seen[1], vec![(2, 8)]);
+        assert_eq!(prompt_rows_seen[2], vec![(2, 4), (3, 4)]);
     }
 }
