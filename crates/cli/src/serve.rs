@@ -490,10 +490,12 @@ pub(crate) fn spawn_stage(
     threads: usize,
     cpu: Option<usize>,
     wire: WireDtype,
+    kv_budget_kib: u64,
 ) -> Result<(Child, String)> {
     let exe = std::env::current_exe().context("finding the pipeshard binary")?;
     let mut cmd = Command::new(exe);
     cmd.arg("stage")
+        .args(["--kv-budget-kib", &kv_budget_kib.to_string()])
         .arg("--shard")
         .arg(shard)
         .args(["--listen", "127.0.0.1:0", "--next", next])
@@ -583,6 +585,8 @@ pub(crate) fn launch_local_ring(
     write_token(&token_file)?;
     let token = read_token_file(&token_file)?;
     let ring = std::net::TcpListener::bind("127.0.0.1:0")?;
+    // All stages share this machine's memory: each gets an equal part of the KV budget.
+    let kv_budget_kib = pipeshard_stage::kv_budget(None) / 1024 / manifest.stages.len() as u64;
     let mut children = Children(Vec::new());
     let mut addrs = vec![String::new(); manifest.stages.len()];
     let mut next = ring.local_addr()?.to_string();
@@ -595,6 +599,7 @@ pub(crate) fn launch_local_ring(
             threads,
             cpu,
             wire_dtype,
+            kv_budget_kib,
         )?;
         children.0.push(child);
         addrs[s.index] = addr.clone();
@@ -618,7 +623,7 @@ pub(crate) fn launch_local_ring(
         max_body_kib: 1024,
         step_timeout_s: 300,
         groups,
-        kv_budget_kib: None,
+        kv_budget_kib: Some(kv_budget_kib),
         max_queue: 64,
     };
     let config = head_config(&link, &head_args, addrs[1..].to_vec(), token);
