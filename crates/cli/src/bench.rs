@@ -258,20 +258,89 @@ async fn ring_run(
     }
 }
 
+/// A ring of stage processes on loopback with the head in this process, and the unsplit model
+/// to compare with; the benches' common set-up. Dropping it stops the head's tasks first, so
+/// that stopping the stages is not reported as a failure, then the stages.
+struct BenchRing {
+    head: HeadHandle,
+    rt: Option<tokio::runtime::Runtime>,
+    children: Option<crate::serve::Children>,
+    manifest: std::path::PathBuf,
+    gguf: std::path::PathBuf,
+    stages: usize,
+    pinned: bool,
+}
+
+impl BenchRing {
+    fn start(
+        model: &str,
+        stages: usize,
+        layers: Option<&str>,
+        pin: &str,
+        wire: pipeshard_wire::WireDtype,
+        groups: usize,
+    ) -> Result<Self> {
+        let manifest = crate::serve::ensure_split(model, stages, layers)?;
+        let stages = pipeshard_shard::Manifest::load(&manifest)?.stages.len();
+        let ModelSource::Gguf(gguf) = ModelSource::resolve(model, true)? else {
+            bail!("the benches compare against the unsplit model: give a GGUF file or model name");
+        };
+        let pinned = crate::serve::pin_choice(pin, stages, 1)?;
+        let local = crate::serve::launch_local_ring(&manifest, 1, pinned, wire, None, groups)?;
+        let rt = crate::serve::runtime()?;
+        let (head, children) = rt.block_on(local.start_head())?;
+        Ok(Self {
+            head,
+            rt: Some(rt),
+            children: Some(children),
+            manifest,
+            gguf,
+            stages,
+            pinned,
+        })
+    }
+
+    fn rt(&self) -> &tokio::runtime::Runtime {
+        self.rt.as_ref().expect("the runtime lives until drop")
+    }
+
+    /// The unsplit model, one stage on one thread.
+    fn unsplit(&self) -> Result<Session> {
+        Session::open(self.gguf.to_str().context("path")?, Some(1), 1)
+    }
+}
+
+impl Drop for BenchRing {
+    fn drop(&mut self) {
+        self.rt.take();
+        self.children.take();
+    }
+}
+
+/// Prints a bench's result: one JSON line, or pretty.
+fn print_result(out: &serde_json::Value, json: bool) -> Result<()> {
+    if json {
+        println!("{out}");
+    } else {
+        println!("{}", serde_json::to_string_pretty(out)?);
+    }
+    Ok(())
+}
+
 fn ring(a: RingArgs) -> Result<()> {
-    let manifest = crate::serve::ensure_split(&a.model, a.stages, a.layers.as_deref())?;
-    let stages = pipeshard_shard::Manifest::load(&manifest)?.stages.len();
-    let ModelSource::Gguf(gguf) = ModelSource::resolve(&a.model, true)? else {
-        bail!("bench ring compares against the unsplit model: give a GGUF file or model name");
-    };
-    let pin_each = crate::serve::pin_choice(&a.pin, stages, 1)?;
-    let local = crate::serve::launch_local_ring(&manifest, 1, pin_each, a.wire_dtype, None, 0)?;
-    let rt = crate::serve::runtime()?;
-    let (head, children) = rt.block_on(local.start_head())?;
+    let bench = BenchRing::start(
+        &a.model,
+        a.stages,
+        a.layers.as_deref(),
+        &a.pin,
+        a.wire_dtype,
+        0,
+    )?;
+    let (rt, head) = (bench.rt(), &bench.head);
     // Resident memory of this process with only stage 0 and the head loaded.
     std::thread::sleep(std::time::Duration::from_millis(1500));
     let head_rss = pipeshard_stage::resident_bytes();
-    let mut s = Session::open(gguf.to_str().context("path")?, Some(1), 1)?;
+    let mut s = bench.unsplit()?;
     let prompt = bench_prompt(&s.tokenizer, a.prompt_tokens)?;
     let (mut base, mut ring, mut base_ttft, mut ring_ttft) = (vec![], vec![], vec![], vec![]);
     let mut identical = true;
@@ -279,7 +348,7 @@ fn ring(a: RingArgs) -> Result<()> {
     let mut rounds = Vec::new();
     for round in 0..a.runs.max(1) {
         let (bt, bs, btok) = unsplit_run(&mut s, &prompt, a.gen_tokens)?;
-        let (rt_, rs, rtok, ps) = rt.block_on(ring_run(&head, &prompt, a.gen_tokens))?;
+        let (rt_, rs, rtok, ps) = rt.block_on(ring_run(head, &prompt, a.gen_tokens))?;
         identical &= btok == rtok;
         if !a.json {
             eprintln!(
@@ -296,7 +365,7 @@ fn ring(a: RingArgs) -> Result<()> {
         per_stage = ps;
     }
     let status = head.status();
-    let m = pipeshard_shard::Manifest::load(&manifest)?;
+    let m = pipeshard_shard::Manifest::load(&bench.manifest)?;
     let memory: Vec<serde_json::Value> = m
         .stages
         .iter()
@@ -313,7 +382,7 @@ fn ring(a: RingArgs) -> Result<()> {
         .collect();
     let (b, r) = (median(base), median(ring));
     let out = serde_json::json!({
-        "model": a.model, "stages": stages, "pinned": pin_each, "wire_dtype": format!("{:?}", a.wire_dtype),
+        "model": a.model, "stages": bench.stages, "pinned": bench.pinned, "wire_dtype": format!("{:?}", a.wire_dtype),
         "prompt_tokens": prompt.len(), "gen_tokens": a.gen_tokens, "runs": a.runs,
         "baseline_decode_tok_s": b, "ring_decode_tok_s": r, "ratio": r / b,
         "baseline_ttft_ms": median(base_ttft), "ring_ttft_ms": median(ring_ttft),
@@ -321,16 +390,7 @@ fn ring(a: RingArgs) -> Result<()> {
         "tokens_identical": identical, "memory": memory,
         "rounds": rounds,
     });
-    if a.json {
-        println!("{out}");
-    } else {
-        println!("{}", serde_json::to_string_pretty(&out)?);
-    }
-    // The head's tasks first, so that stopping the stages is not reported as a failure.
-    drop(head);
-    drop(rt);
-    drop(children);
-    Ok(())
+    print_result(&out, a.json)
 }
 
 fn percentile(mut v: Vec<f64>, p: f64) -> f64 {
@@ -378,25 +438,16 @@ fn throughput(a: ThroughputArgs) -> Result<()> {
         .map(|u| u.trim().parse::<usize>())
         .collect::<Result<_, _>>()
         .context("--users takes numbers like 1,2,4,8")?;
-    let manifest = crate::serve::ensure_split(&a.model, a.stages, a.layers.as_deref())?;
-    let stages = pipeshard_shard::Manifest::load(&manifest)?.stages.len();
-    let ModelSource::Gguf(gguf) = ModelSource::resolve(&a.model, true)? else {
-        bail!(
-            "bench throughput compares against the unsplit model: give a GGUF file or model name"
-        );
-    };
-    let pin_each = crate::serve::pin_choice(&a.pin, stages, 1)?;
-    let local = crate::serve::launch_local_ring(
-        &manifest,
-        1,
-        pin_each,
+    let bench = BenchRing::start(
+        &a.model,
+        a.stages,
+        a.layers.as_deref(),
+        &a.pin,
         Default::default(),
-        None,
         a.groups,
     )?;
-    let rt = crate::serve::runtime()?;
-    let (head, children) = rt.block_on(local.start_head())?;
-    let mut s = Session::open(gguf.to_str().context("path")?, Some(1), 1)?;
+    let (rt, head) = (bench.rt(), &bench.head);
+    let mut s = bench.unsplit()?;
     let prompt = bench_prompt(&s.tokenizer, a.prompt_tokens)?;
     // The unsplit model serving one user: whole request, prompt included.
     let gen = a.gen_tokens.max(2);
@@ -412,7 +463,7 @@ fn throughput(a: ThroughputArgs) -> Result<()> {
     let mut runs = Vec::new();
     for &n in &users {
         std::thread::sleep(settle);
-        let before = busy(&head);
+        let before = busy(head);
         let t0 = Instant::now();
         let results = rt.block_on(async {
             let tasks: Vec<_> = (0..n)
@@ -431,7 +482,7 @@ fn throughput(a: ThroughputArgs) -> Result<()> {
         })?;
         let wall = results.iter().map(|r| r.1).fold(0.0, f64::max);
         std::thread::sleep(settle);
-        let after = busy(&head);
+        let after = busy(head);
         let tokens: usize = results.iter().map(|r| r.2).sum();
         let aggregate = tokens as f64 / wall;
         let ttfts: Vec<f64> = results.iter().map(|r| r.0 * 1e3).collect();
@@ -451,16 +502,8 @@ fn throughput(a: ThroughputArgs) -> Result<()> {
         runs.push(run);
     }
     let out = serde_json::json!({
-        "model": a.model, "stages": stages, "pinned": pin_each, "gen_tokens": a.gen_tokens,
+        "model": a.model, "stages": bench.stages, "pinned": bench.pinned, "gen_tokens": a.gen_tokens,
         "prompt_tokens": prompt.len(), "baseline_tok_s": baseline, "runs": runs,
     });
-    if a.json {
-        println!("{out}");
-    } else {
-        println!("{}", serde_json::to_string_pretty(&out)?);
-    }
-    drop(head);
-    drop(rt);
-    drop(children);
-    Ok(())
+    print_result(&out, a.json)
 }
