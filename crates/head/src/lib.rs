@@ -191,16 +191,7 @@ impl HeadHandle {
         req.sampling
             .validate()
             .map_err(|e| HeadError::Invalid(e.to_string()))?;
-        let positions = (req.prompt.len() + req.max_tokens) as u64;
-        for (i, (budget, per)) in self.budgets.iter().enumerate() {
-            if positions * per > *budget {
-                return Err(HeadError::Invalid(format!(
-                    "the request needs {} KiB of KV cache on stage {i}, whose whole budget is {} KiB; ask for fewer tokens",
-                    positions * per / 1024,
-                    budget / 1024
-                )));
-            }
-        }
+        scheduler::kv_need(&self.budgets, &req).map_err(|(_, msg)| HeadError::Invalid(msg))?;
         let waiting = self.waiting.load(std::sync::atomic::Ordering::Relaxed);
         if waiting >= self.max_queue {
             return Err(HeadError::Busy(format!(

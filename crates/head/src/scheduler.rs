@@ -19,6 +19,28 @@ use tokio::sync::{mpsc, watch};
 
 use crate::{GenEvent, GenRequest, HeadConfig, RingStatus, ServedModel, Usage};
 
+/// KV bytes a request needs on each stage (`budgets`: per stage, budget and bytes per
+/// position): its whole context. Fails, with the need and a message naming the stage, when
+/// the request could never fit.
+pub(crate) fn kv_need(
+    budgets: &[(u64, u64)],
+    req: &GenRequest,
+) -> Result<Vec<u64>, (Vec<u64>, String)> {
+    let positions = (req.prompt.len() + req.max_tokens) as u64;
+    let need: Vec<u64> = budgets.iter().map(|(_, per)| positions * per).collect();
+    match need.iter().zip(budgets).position(|(n, (b, _))| n > b) {
+        Some(i) => {
+            let msg = format!(
+                "the request needs {} KiB of KV cache on stage {i}, whose whole budget is {} KiB; ask for fewer tokens",
+                need[i] / 1024,
+                budgets[i].0 / 1024
+            );
+            Err((need, msg))
+        }
+        None => Ok(need),
+    }
+}
+
 pub(crate) enum Command {
     Submit {
         req: GenRequest,
@@ -96,11 +118,7 @@ impl State {
 
     /// KV bytes a request needs on each stage: its whole context.
     fn need(&self, req: &GenRequest) -> Vec<u64> {
-        let positions = (req.prompt.len() + req.max_tokens) as u64;
-        self.budgets
-            .iter()
-            .map(|(_, per)| positions * per)
-            .collect()
+        kv_need(&self.budgets, req).unwrap_or_else(|(need, _)| need)
     }
 
     fn fits(&self, need: &[u64]) -> bool {
@@ -113,18 +131,8 @@ impl State {
     /// Takes a request: refused at once if it can never fit, else queued until its whole
     /// context fits in every stage's KV budget.
     pub fn admit(&mut self, req: GenRequest, events: mpsc::UnboundedSender<GenEvent>) {
-        let need = self.need(&req);
-        if let Some((i, (n, (b, _)))) = need
-            .iter()
-            .zip(&self.budgets)
-            .enumerate()
-            .find(|(_, (n, (b, _)))| *n > b)
-        {
-            let _ = events.send(GenEvent::Error(format!(
-                "the request needs {} KiB of KV cache on stage {i}, whose whole budget is {} KiB; ask for fewer tokens",
-                n / 1024,
-                b / 1024
-            )));
+        if let Err((_, msg)) = kv_need(&self.budgets, &req) {
+            let _ = events.send(GenEvent::Error(msg));
             return;
         }
         self.queue.push_back((req, events));
