@@ -342,12 +342,21 @@ async fn whole_response(
     Ok(Json(body).into_response())
 }
 
+/// OpenAI's usage object; with speculative decoding, its `completion_tokens_details` tells the
+/// drafted tokens accepted and rejected (the fields OpenAI uses for predicted outputs).
 fn usage_json(u: &Usage) -> Value {
-    json!({
+    let mut v = json!({
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.total_tokens,
-    })
+    });
+    if u.drafted_tokens > 0 {
+        v["completion_tokens_details"] = json!({
+            "accepted_prediction_tokens": u.accepted_tokens,
+            "rejected_prediction_tokens": u.drafted_tokens - u.accepted_tokens,
+        });
+    }
+    v
 }
 
 fn chunk(kind: &Kind, text: Option<&str>, first: bool, finish: Option<Value>) -> Value {

@@ -286,7 +286,15 @@ impl BenchRing {
             bail!("the benches compare against the unsplit model: give a GGUF file or model name");
         };
         let pinned = crate::serve::pin_choice(pin, stages, 1)?;
-        let local = crate::serve::launch_local_ring(&manifest, 1, pinned, wire, None, groups)?;
+        let local = crate::serve::launch_local_ring(
+            &manifest,
+            1,
+            pinned,
+            wire,
+            None,
+            groups,
+            &crate::spec::DraftArgs::default(),
+        )?;
         let rt = crate::serve::runtime()?;
         let (head, children) = rt.block_on(local.start_head())?;
         Ok(Self {

@@ -11,7 +11,8 @@ use pipeshard_shard::{
     fetch as fetch_model, known_model, parse_layers, Manifest, ModelSource, KNOWN_MODELS,
 };
 
-use crate::run::{generate as run_generate, GenRequest, Session};
+use crate::run::{generate as run_generate, GenRequest, Session, Speculate};
+use pipeshard_head::draft::Tuner;
 
 /// The model used wherever a model is optional.
 pub const DEFAULT_MODEL: &str = "smollm2-135m";
@@ -185,10 +186,20 @@ pub struct GenerateArgs {
     /// Print one JSON object instead of streaming text.
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub draft: crate::spec::DraftArgs,
 }
 
 pub fn generate(a: GenerateArgs) -> Result<()> {
     let mut s = Session::open(&a.model.model, a.model.stages, a.model.threads)?;
+    let mut drafter = a.draft.load(&s.tokenizer, a.model.threads)?;
+    let spec = match &mut drafter {
+        Some(d) => Some(Speculate {
+            drafter: d,
+            tuner: Tuner::new(a.draft.fixed_k()?, a.draft.draft_max),
+        }),
+        None => None,
+    };
     let req = GenRequest {
         prompt_ids: s.prompt_ids(&a.prompt, a.chat)?,
         sampling: SamplingParams {
@@ -202,7 +213,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
     };
     let json = a.json;
     let mut stdout = std::io::stdout();
-    let out = run_generate(&mut s, req, |piece| {
+    let out = run_generate(&mut s, req, spec, |piece| {
         if !json {
             let _ = stdout.write_all(piece.as_bytes());
             let _ = stdout.flush();
@@ -213,12 +224,17 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
     } else {
         println!();
         eprintln!(
-            "[{} prompt tokens, {} generated, finish: {:?}, prefill {:.1} tok/s, decode {:.1} tok/s]",
+            "[{} prompt tokens, {} generated, finish: {:?}, prefill {:.1} tok/s, decode {:.1} tok/s{}]",
             out.prompt_ids.len(),
             out.tokens.len(),
             out.finish_reason,
             out.timings.prefill_tok_s,
-            out.timings.decode_tok_s
+            out.timings.decode_tok_s,
+            if out.drafted > 0 {
+                format!(", {} of {} drafted tokens accepted", out.accepted, out.drafted)
+            } else {
+                String::new()
+            }
         );
     }
     Ok(())

@@ -4,6 +4,7 @@ mod bench;
 mod cmd;
 mod run;
 mod serve;
+mod spec;
 
 use clap::{Parser, Subcommand};
 

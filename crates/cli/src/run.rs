@@ -4,9 +4,10 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use pipeshard_generate::{
-    ChatMessage, ChatTemplate, Detokenizer, FinishReason, Sampler, SamplingParams, StopChecker,
-    TextModel, Tokenizer,
+    choose_rows, sample_with, ChatMessage, ChatTemplate, Detokenizer, FinishReason, Lane, Sampler,
+    SamplingParams, StopChecker, TextModel, Tokenizer,
 };
+use pipeshard_head::draft::{Drafter, Tuner};
 use pipeshard_model::gguf::GgufFile;
 use pipeshard_model::{LocalPipeline, LogitsWanted, SeqId, SeqLogits, SeqStep, TokenId};
 use pipeshard_shard::ModelSource;
@@ -105,6 +106,11 @@ pub struct GenRequest {
 #[derive(Debug, serde::Serialize)]
 pub struct GenOutput {
     pub text: String,
+    /// Decode steps through the pipeline.
+    pub generated_steps: usize,
+    /// Proposals drafted and accepted (speculative decoding).
+    pub drafted: usize,
+    pub accepted: usize,
     pub tokens: Vec<TokenId>,
     pub prompt_ids: Vec<TokenId>,
     pub finish_reason: FinishReason,
@@ -118,10 +124,19 @@ pub struct Timings {
     pub decode_tok_s: f64,
 }
 
-/// Generates one sequence, calling `on_text` with each new piece of text.
+/// Speculative decoding for [`generate`]: the drafter and the choice of k.
+pub struct Speculate<'a> {
+    pub drafter: &'a mut Drafter,
+    pub tuner: Tuner,
+}
+
+/// Generates one sequence, calling `on_text` with each new piece of text. With `spec`, a
+/// drafter proposes tokens that each step verifies: the tokens are the same as without it
+/// (greedy), or follow the same distribution with the same per-position draws (sampling).
 pub fn generate(
     s: &mut Session,
     req: GenRequest,
+    mut spec: Option<Speculate<'_>>,
     mut on_text: impl FnMut(&str),
 ) -> Result<GenOutput> {
     let ctx = s.pipe.config().ctx_len;
@@ -132,63 +147,137 @@ pub fn generate(
         );
     }
     let max_tokens = req.max_tokens.min(ctx - req.prompt_ids.len());
-    let mut sampler = Sampler::new(req.sampling)?;
+    let sampling = req.sampling.temperature > 0.0;
+    let draws = Sampler::new(req.sampling.clone())?;
+    let params = req.sampling;
     let seq = s.new_seq();
     let t0 = Instant::now();
-    let mut logits = s.prefill(seq, 0, &req.prompt_ids)?;
+    let first = s.prefill(seq, 0, &req.prompt_ids)?;
+    let mut chosen = vec![sample_with(
+        &params,
+        first.row(0),
+        draws.uniform(0, Lane::Sample),
+    )];
     let prefill_s = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
     let mut stop = StopChecker::new(s.tokenizer.eos(), &req.stops, max_tokens);
     let mut detok = Detokenizer::new();
+    let mut context = req.prompt_ids.clone();
     let mut tokens = Vec::new();
-    let mut pos = req.prompt_ids.len();
-    let mut steps = 0usize;
-    let finish = loop {
+    let (mut steps, mut drafted, mut accepted) = (0usize, 0usize, 0usize);
+    let mut acceptance = (0.0f64, 0.0f64); // decayed (accepted, verified)
+    let finish = 'outer: loop {
         if max_tokens == 0 {
             break FinishReason::Length;
         }
-        let t = sampler.sample(logits.row(0));
-        if stop.is_eos(t) {
-            break FinishReason::Stop;
+        for &t in &chosen {
+            if stop.is_eos(t) {
+                break 'outer FinishReason::Stop;
+            }
+            tokens.push(t);
+            context.push(t);
+            let piece = detok.push(&s.tokenizer, t)?;
+            let (shown, done) = stop.push(&piece);
+            if !shown.is_empty() {
+                on_text(&shown);
+            }
+            if let Some(r) = done {
+                break 'outer r;
+            }
         }
-        tokens.push(t);
-        let piece = detok.push(&s.tokenizer, t)?;
-        let (shown, done) = stop.push(&piece);
-        if !shown.is_empty() {
-            on_text(&shown);
-        }
-        if let Some(r) = done {
-            break r;
-        }
+        // The last token is fed; after it, the proposals (a sampling run's last one is not
+        // fed: it is verified at the last row).
+        let g = tokens.len() as u64;
+        let proposals = match &mut spec {
+            Some(sp) => {
+                let alpha = (acceptance.0 + 1.0) / (acceptance.1 + 2.0);
+                let k = sp.tuner.choose(alpha).min(max_tokens - tokens.len() - 1);
+                let want = k + usize::from(sampling);
+                let u: Vec<f32> = (0..want as u64)
+                    .map(|i| draws.uniform(g + i, Lane::Draft))
+                    .collect();
+                let started = Instant::now();
+                let p = sp.drafter.propose(seq.0, &context, want, &params, &u);
+                sp.tuner
+                    .observe_draft(p.len(), started.elapsed().as_micros() as f64);
+                p
+            }
+            None => vec![],
+        };
+        let fed = proposals.len().saturating_sub(usize::from(sampling));
+        let mut input = vec![*context.last().expect("a token was chosen")];
+        input.extend(proposals[..fed].iter().map(|p| p.token));
+        let n = input.len();
         let step = SeqStep {
             seq,
-            pos,
-            n: 1,
-            logits: LogitsWanted::Last,
+            pos: context.len() - 1,
+            n,
+            logits: if proposals.is_empty() {
+                LogitsWanted::Last
+            } else {
+                LogitsWanted::All
+            },
         };
-        logits = s
+        let started = Instant::now();
+        let logits = s
             .pipe
-            .step(vec![step], vec![t])?
+            .step(vec![step], input)?
             .into_iter()
             .next()
             .context("no logits")?;
-        pos += 1;
+        if let Some(sp) = &mut spec {
+            sp.tuner
+                .observe_step(n, started.elapsed().as_micros() as f64);
+        }
+        let ids: Vec<u32> = proposals.iter().map(|p| p.token).collect();
+        let q: Vec<_> = proposals.iter().map(|p| p.q.clone()).collect();
+        let uniforms: Vec<f32> = (0..n as u64)
+            .map(|i| draws.uniform(g + i, Lane::Sample))
+            .collect();
+        let accept: Vec<f32> = (0..ids.len() as u64)
+            .map(|i| draws.uniform(g + i, Lane::Accept))
+            .collect();
+        chosen = choose_rows(
+            &params,
+            (0..logits.rows).map(|i| logits.row(i)),
+            &ids,
+            &q,
+            &uniforms,
+            &accept,
+        );
+        let hits = chosen.iter().zip(&ids).filter(|(a, b)| a == b).count();
+        let verified = ids.len().min(chosen.len());
+        drafted += ids.len();
+        accepted += hits;
+        if verified > 0 {
+            acceptance = (
+                0.8 * acceptance.0 + hits as f64,
+                0.8 * acceptance.1 + verified as f64,
+            );
+        }
         steps += 1;
     };
     let decode_s = t1.elapsed().as_secs_f64();
+    if let Some(sp) = &mut spec {
+        sp.drafter.release(seq.0);
+    }
     s.pipe.release(seq);
+    let decode_tok_s = if steps == 0 {
+        0.0
+    } else {
+        tokens.len().saturating_sub(1) as f64 / decode_s.max(1e-9)
+    };
     Ok(GenOutput {
         text: stop.text().to_string(),
+        generated_steps: steps,
+        drafted,
+        accepted,
         tokens,
         prompt_ids: req.prompt_ids.clone(),
         finish_reason: finish,
         timings: Timings {
             prefill_tok_s: req.prompt_ids.len() as f64 / prefill_s.max(1e-9),
-            decode_tok_s: if steps == 0 {
-                0.0
-            } else {
-                steps as f64 / decode_s.max(1e-9)
-            },
+            decode_tok_s,
         },
     })
 }

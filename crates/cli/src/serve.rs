@@ -24,6 +24,7 @@ use pipeshard_wire::{read_token_file, AddToken, Limits, WireDtype};
 use tokio::net::TcpListener;
 
 use crate::cmd::DEFAULT_MODEL;
+use crate::spec::DraftArgs;
 
 /// Knobs of every ring link.
 #[derive(Args, Debug, Clone)]
@@ -228,6 +229,8 @@ pub struct HeadArgs {
     /// Requests that may wait for KV room; beyond, new ones get 429.
     #[arg(long, default_value_t = 64)]
     pub max_queue: usize,
+    #[command(flatten)]
+    pub draft: DraftArgs,
 }
 
 /// Loads stage 0 of a manifest and the text model; checks the shard against the manifest.
@@ -235,6 +238,7 @@ pub(crate) fn load_head_side(
     manifest_path: &Path,
     threads: usize,
     name: Option<String>,
+    draft: &DraftArgs,
 ) -> Result<(LocalStage, ServedModel, Manifest)> {
     let manifest = Manifest::load(manifest_path)?;
     let entry = &manifest.stages[0];
@@ -247,6 +251,7 @@ pub(crate) fn load_head_side(
     let ctx_len = stage.config().ctx_len;
     let name = name.unwrap_or_else(|| manifest.model.file.trim_end_matches(".gguf").to_string());
     let local = LocalStage {
+        drafter: draft.load(&text.tokenizer, threads)?,
         stage,
         identity: StageIdentity {
             index: 0,
@@ -279,6 +284,8 @@ pub(crate) fn head_config(
         groups: head.groups,
         kv_budget_bytes: pipeshard_stage::kv_budget(head.kv_budget_kib),
         max_queue: head.max_queue,
+        draft_k: head.draft.fixed_k().unwrap_or(None),
+        draft_max: head.draft.draft_max,
         ..HeadConfig::default()
     }
 }
@@ -298,8 +305,12 @@ async fn serve_api(head: HeadHandle, listener: TcpListener, max_body: usize) -> 
 
 pub fn serve(a: ServeArgs) -> Result<()> {
     let token = read_token_file(&a.link.token_file)?;
-    let (local, model, manifest) =
-        load_head_side(&a.manifest, a.head.threads, a.head.model_name.clone())?;
+    let (local, model, manifest) = load_head_side(
+        &a.manifest,
+        a.head.threads,
+        a.head.model_name.clone(),
+        &a.head.draft,
+    )?;
     let want = manifest.stages.len() - 1;
     if a.stages.len() != want {
         bail!(
@@ -376,6 +387,8 @@ pub struct UpArgs {
     /// Micro-batch groups cycling through the ring (0: one per stage).
     #[arg(long, default_value_t = 0)]
     pub groups: usize,
+    #[command(flatten)]
+    pub draft: DraftArgs,
 }
 
 /// Stage processes started by `up`; stopped (SIGTERM, then SIGKILL) when dropped.
@@ -575,6 +588,7 @@ pub(crate) fn launch_local_ring(
     wire_dtype: WireDtype,
     name: Option<String>,
     groups: usize,
+    draft: &DraftArgs,
 ) -> Result<LocalRing> {
     let manifest = Manifest::load(manifest_path)?;
     let dir = manifest_path
@@ -608,7 +622,7 @@ pub(crate) fn launch_local_ring(
     if pin_each {
         pin(0)?;
     }
-    let (local, model, _) = load_head_side(manifest_path, threads, name)?;
+    let (local, model, _) = load_head_side(manifest_path, threads, name, draft)?;
     let link = LinkArgs {
         token_file,
         wire_dtype,
@@ -625,6 +639,7 @@ pub(crate) fn launch_local_ring(
         groups,
         kv_budget_kib: Some(kv_budget_kib),
         max_queue: 64,
+        draft: draft.clone(),
     };
     let config = head_config(&link, &head_args, addrs[1..].to_vec(), token);
     Ok(LocalRing {
@@ -659,6 +674,7 @@ pub fn up(a: UpArgs) -> Result<()> {
         a.wire_dtype,
         name,
         a.groups,
+        &a.draft,
     )?;
     let rt = runtime()?;
     let mut children = None;

@@ -8,7 +8,7 @@ pub mod stop;
 pub mod tokenizer;
 
 pub use chat::{ChatMessage, ChatTemplate};
-pub use sampler::{logprob, sample_with, Sampler, SamplingParams};
+pub use sampler::{choose_rows, logprob, sample_with, verify, Dist, Lane, Sampler, SamplingParams};
 pub use stop::{FinishReason, StopChecker};
 pub use tokenizer::{Detokenizer, Tokenizer};
 

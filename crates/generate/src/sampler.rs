@@ -49,41 +49,243 @@ impl SamplingParams {
     }
 }
 
-/// A sampler with its own random state.
+/// Which use a uniform draw is for; each position of a sequence has one draw per lane.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lane {
+    /// Choosing the token (plain sampling, or the residual after a rejected draft).
+    Sample = 0,
+    /// Accepting or rejecting a drafted token.
+    Accept = 1,
+    /// The draft model's own choice.
+    Draft = 2,
+}
+
+/// A sampler's randomness: draws addressed by (position, lane), so that what is drawn for a
+/// position does not depend on how many draws came before (speculation, batching, chunking).
 #[derive(Debug)]
 pub struct Sampler {
     params: SamplingParams,
-    rng: StdRng,
+    seed: u64,
+    count: u64,
 }
 
 impl Sampler {
     /// A sampler; fails on out-of-range parameters.
     pub fn new(params: SamplingParams) -> Result<Self> {
         params.validate()?;
-        let rng = match params.seed {
-            Some(s) => StdRng::seed_from_u64(s),
-            None => StdRng::from_os_rng(),
-        };
-        Ok(Self { params, rng })
+        let seed = params.seed.unwrap_or_else(rand::random);
+        Ok(Self {
+            params,
+            seed,
+            count: 0,
+        })
     }
 
-    /// Picks a token.
-    pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        if self.params.temperature <= 0.0 {
-            return sample_with(&self.params, logits, 0.0);
-        }
-        let u: f32 = self.rng.random();
-        sample_with(&self.params, logits, u)
+    /// Its parameters.
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
     }
 
-    /// The next uniform draw, for a sampler that runs elsewhere (the ring's last stage);
-    /// [`sample_with`] on that draw picks what [`Sampler::sample`] would have.
-    pub fn next_uniform(&mut self) -> f32 {
+    /// The draw in [0, 1) for position `index` (counted from the first generated token) and
+    /// `lane`; 0 when greedy.
+    pub fn uniform(&self, index: u64, lane: Lane) -> f32 {
         if self.params.temperature <= 0.0 {
             return 0.0;
         }
-        self.rng.random()
+        // A counter-based draw: the generator is keyed by (seed, index, lane) and used once.
+        let mut key = [0u8; 32];
+        key[..8].copy_from_slice(&self.seed.to_le_bytes());
+        key[8..16].copy_from_slice(&index.to_le_bytes());
+        key[16] = lane as u8;
+        StdRng::from_seed(key).random()
     }
+
+    /// Picks the next token (the position after the previous call's).
+    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        let u = self.next_uniform();
+        sample_with(&self.params, logits, u)
+    }
+
+    /// The next position's sampling draw, for a sampler that runs elsewhere (the ring's last
+    /// stage); [`sample_with`] on that draw picks what [`Sampler::sample`] would have.
+    pub fn next_uniform(&mut self) -> f32 {
+        let u = self.uniform(self.count, Lane::Sample);
+        self.count += 1;
+        u
+    }
+}
+
+/// A token distribution after temperature, top-k and top-p: ids, most likely first (lowest id
+/// on ties), and their probabilities. Greedy is the point mass on the arg-max.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Dist {
+    /// Token ids.
+    pub ids: Vec<u32>,
+    /// Their probabilities, summing to 1.
+    pub probs: Vec<f32>,
+}
+
+impl Dist {
+    /// All the mass on one token.
+    pub fn point(id: u32) -> Self {
+        Self {
+            ids: vec![id],
+            probs: vec![1.0],
+        }
+    }
+
+    /// The distribution `params` sample from.
+    pub fn new(params: &SamplingParams, logits: &[f32]) -> Self {
+        if params.temperature <= 0.0 {
+            return Self::point(pipeshard_model::batch::argmax(logits));
+        }
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        // Tokens more than 40 nats below the best weigh under 1e-17 of it, below what f32
+        // sums can hold; leaving them out spares sorting the whole vocabulary.
+        let floor = max - 40.0 * params.temperature;
+        let mut idx: Vec<u32> = (0..logits.len() as u32)
+            .filter(|&i| logits[i as usize] >= floor)
+            .collect();
+        idx.sort_by(|&a, &b| {
+            logits[b as usize]
+                .total_cmp(&logits[a as usize])
+                .then(a.cmp(&b))
+        });
+        if params.top_k > 0 {
+            idx.truncate(params.top_k);
+        }
+        let mut probs: Vec<f32> = idx
+            .iter()
+            .map(|&i| ((logits[i as usize] - max) / params.temperature).exp())
+            .collect();
+        normalize(&mut probs);
+        if params.top_p > 0.0 && params.top_p < 1.0 {
+            let mut acc = 0.0;
+            let mut keep = probs.len();
+            for (i, p) in probs.iter().enumerate() {
+                acc += p;
+                if acc >= params.top_p {
+                    keep = i + 1;
+                    break;
+                }
+            }
+            probs.truncate(keep);
+            idx.truncate(keep);
+            normalize(&mut probs);
+        }
+        Self { ids: idx, probs }
+    }
+
+    /// The `k` most likely tokens, renormalized (a draft's proposal distribution).
+    pub fn top(mut self, k: usize) -> Self {
+        if k > 0 && self.ids.len() > k {
+            self.ids.truncate(k);
+            self.probs.truncate(k);
+            normalize(&mut self.probs);
+        }
+        self
+    }
+
+    /// Probability of `id`.
+    pub fn prob(&self, id: u32) -> f32 {
+        self.ids
+            .iter()
+            .position(|&i| i == id)
+            .map_or(0.0, |i| self.probs[i])
+    }
+
+    /// The token the draw `u` in [0, 1) falls on.
+    pub fn pick(&self, u: f32) -> u32 {
+        pick(&self.ids, &self.probs, u)
+    }
+}
+
+fn normalize(p: &mut [f32]) {
+    let s: f32 = p.iter().sum();
+    p.iter_mut().for_each(|x| *x /= s);
+}
+
+/// The id whose share of `weights` (not necessarily normalized) the draw `u` falls on.
+fn pick(ids: &[u32], weights: &[f32], u: f32) -> u32 {
+    let total: f32 = weights.iter().sum();
+    let target = u * total;
+    let mut acc = 0.0;
+    for (id, w) in ids.iter().zip(weights) {
+        acc += w;
+        if target < acc {
+            return *id;
+        }
+    }
+    // Rounding left `target` at the very end: the last token with weight.
+    ids.iter()
+        .zip(weights)
+        .rev()
+        .find(|(_, w)| **w > 0.0)
+        .map_or(ids[0], |(id, _)| *id)
+}
+
+/// Speculative sampling at one position: the draft proposed `draft` from `q` (`None`: with
+/// certainty, as an n-gram does). The target's distribution `p` accepts it with probability
+/// min(1, p/q) (`accept` is the draw for that); otherwise the token comes from the
+/// normalized max(0, p − q) (with the draw `u`). The result is distributed exactly as `p`.
+pub fn verify(p: &Dist, draft: u32, q: Option<&Dist>, accept: f32, u: f32) -> u32 {
+    let qd = q.map_or(1.0, |q| q.prob(draft));
+    let pd = p.prob(draft);
+    if qd > 0.0 && accept * qd < pd {
+        return draft;
+    }
+    let residual: Vec<f32> = p
+        .ids
+        .iter()
+        .zip(&p.probs)
+        .map(|(&id, &pi)| {
+            let qi = match q {
+                Some(q) => q.prob(id),
+                None if id == draft => 1.0,
+                None => 0.0,
+            };
+            (pi - qi).max(0.0)
+        })
+        .collect();
+    if residual.iter().sum::<f32>() > 0.0 {
+        pick(&p.ids, &residual, u)
+    } else {
+        // p ≤ q everywhere means p = q, where rejection has probability 0: only rounding
+        // gets here.
+        p.pick(u)
+    }
+}
+
+/// The tokens a step's output rows yield. Without proposals, one per row. With proposals
+/// (speculative decoding: proposal i is the expected token at row i, and the input of row
+/// i + 1), rows are verified in order and the result stops at the first proposal replaced:
+/// the accepted prefix plus one token. `q[i]`: proposal i's distribution (`None`: certain);
+/// `uniforms[i]` and `accept[i]`: row i's draws.
+pub fn choose_rows<'a>(
+    params: &SamplingParams,
+    rows: impl IntoIterator<Item = &'a [f32]>,
+    proposals: &[u32],
+    q: &[Option<Dist>],
+    uniforms: &[f32],
+    accept: &[f32],
+) -> Vec<u32> {
+    let mut out = Vec::new();
+    for (i, row) in rows.into_iter().enumerate() {
+        let u = uniforms.get(i).copied().unwrap_or(0.0);
+        let t = match proposals.get(i) {
+            Some(&d) => {
+                let a = accept.get(i).copied().unwrap_or(0.0);
+                let q = q.get(i).and_then(Option::as_ref);
+                verify(&Dist::new(params, row), d, q, a, u)
+            }
+            None => sample_with(params, row, u),
+        };
+        out.push(t);
+        if proposals.get(i).is_some_and(|&d| d != t) {
+            break; // the rows after it followed a rejected proposal
+        }
+    }
+    out
 }
 
 /// Picks a token from `logits` with the uniform draw `u` in [0, 1): pure, so the draw can be
@@ -92,45 +294,7 @@ pub fn sample_with(params: &SamplingParams, logits: &[f32], u: f32) -> u32 {
     if params.temperature <= 0.0 {
         return pipeshard_model::batch::argmax(logits);
     }
-    let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
-    // Highest logit first, lowest id on ties: a fixed order.
-    idx.sort_by(|&a, &b| {
-        logits[b as usize]
-            .total_cmp(&logits[a as usize])
-            .then(a.cmp(&b))
-    });
-    if params.top_k > 0 {
-        idx.truncate(params.top_k);
-    }
-    let max = logits[idx[0] as usize];
-    let mut probs: Vec<f32> = idx
-        .iter()
-        .map(|&i| ((logits[i as usize] - max) / params.temperature).exp())
-        .collect();
-    let sum: f32 = probs.iter().sum();
-    probs.iter_mut().for_each(|p| *p /= sum);
-    if params.top_p > 0.0 && params.top_p < 1.0 {
-        let mut acc = 0.0;
-        let mut keep = probs.len();
-        for (i, p) in probs.iter().enumerate() {
-            acc += p;
-            if acc >= params.top_p {
-                keep = i + 1;
-                break;
-            }
-        }
-        probs.truncate(keep);
-        let s: f32 = probs.iter().sum();
-        probs.iter_mut().for_each(|p| *p /= s);
-    }
-    let mut acc = 0.0;
-    for (i, p) in probs.iter().enumerate() {
-        acc += p;
-        if u < acc {
-            return idx[i];
-        }
-    }
-    idx[probs.len() - 1]
+    Dist::new(params, logits).pick(u)
 }
 
 /// Natural-log probability of `token` under `logits` (softmax at temperature 1).
@@ -204,6 +368,74 @@ mod tests {
     fn logprob_is_log_softmax() {
         let lp = logprob(&[0.0, 3f32.ln()], 1);
         assert!((lp - 0.75f32.ln()).abs() < 1e-6, "{lp}");
+    }
+
+    /// Frequencies of `f(u, v, w)` over `n` seeded triples of draws.
+    fn histogram(n: usize, vocab: usize, mut f: impl FnMut(f32, f32, f32) -> u32) -> Vec<f64> {
+        let s = Sampler::new(params(1.0, 0, 1.0, 77)).unwrap();
+        let mut h = vec![0.0; vocab];
+        for i in 0..n as u64 {
+            let t = f(
+                s.uniform(i, Lane::Sample),
+                s.uniform(i, Lane::Accept),
+                s.uniform(i, Lane::Draft),
+            );
+            h[t as usize] += 1.0 / n as f64;
+        }
+        h
+    }
+
+    #[test]
+    fn speculative_sampling_keeps_the_target_distribution() {
+        let p_logits = [2.0, 1.0, 0.5, 0.0, -1.0, 1.5];
+        let q_logits = [0.0, 2.0, 0.5, 1.0, 0.5, -2.0];
+        let pp = params(1.0, 0, 1.0, 0);
+        let p = Dist::new(&pp, &p_logits);
+        // A draft sampling from its own top 4 (so p has mass the draft never proposes).
+        let q = Dist::new(&pp, &q_logits).top(4);
+        let n = 200_000;
+        let h = histogram(n, 6, |u, a, d| verify(&p, q.pick(d), Some(&q), a, u));
+        // An n-gram's certain proposal.
+        let g = histogram(n, 6, |u, a, _| verify(&p, 3, None, a, u));
+        for (id, want) in p.ids.iter().zip(&p.probs) {
+            let want = *want as f64;
+            let tol = 4.0 * (want * (1.0 - want) / n as f64).sqrt() + 1e-4;
+            assert!(
+                (h[*id as usize] - want).abs() < tol,
+                "draft model, token {id}: {h:?} vs {p:?}"
+            );
+            assert!(
+                (g[*id as usize] - want).abs() < tol,
+                "n-gram, token {id}: {g:?} vs {p:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn greedy_verification_accepts_only_the_argmax() {
+        let logits = [0.5, 3.0, 1.0];
+        let p = Dist::new(&SamplingParams::default(), &logits);
+        assert_eq!(p, Dist::point(1));
+        assert_eq!(verify(&p, 1, None, 0.99, 0.0), 1);
+        assert_eq!(verify(&p, 2, None, 0.0, 0.0), 1);
+        let q = Dist::new(&params(1.0, 0, 1.0, 0), &[0.0, 0.0, 5.0]);
+        assert_eq!(verify(&p, 2, Some(&q), 0.0, 0.7), 1);
+    }
+
+    #[test]
+    fn draws_are_addressed_by_position_and_lane() {
+        let a = Sampler::new(params(0.7, 0, 1.0, 5)).unwrap();
+        let mut b = Sampler::new(params(0.7, 0, 1.0, 5)).unwrap();
+        let seq: Vec<f32> = (0..5).map(|_| b.next_uniform()).collect();
+        assert_eq!(
+            seq,
+            (0..5)
+                .map(|i| a.uniform(i, Lane::Sample))
+                .collect::<Vec<_>>()
+        );
+        assert_ne!(a.uniform(3, Lane::Sample), a.uniform(3, Lane::Accept));
+        assert_ne!(a.uniform(3, Lane::Draft), a.uniform(4, Lane::Draft));
+        assert!(seq.iter().all(|u| (0.0..1.0).contains(u)));
     }
 
     #[test]

@@ -5,6 +5,7 @@
 //! Callers hold a [`HeadHandle`]: `submit` returns a channel of [`GenEvent`]s; dropping that
 //! receiver cancels the request, and its KV caches are released on every stage.
 
+pub mod draft;
 pub mod ring;
 mod scheduler;
 
@@ -68,6 +69,11 @@ pub struct HeadConfig {
     pub kv_budget_bytes: u64,
     /// Requests that may wait for KV room; beyond, new ones are refused (429).
     pub max_queue: usize,
+    /// Tokens drafted per step when the head has a drafter: a fixed number, or `None` to
+    /// adapt per sequence between 0 and `draft_max`.
+    pub draft_k: Option<usize>,
+    /// The most tokens drafted per step when adapting.
+    pub draft_max: usize,
 }
 
 impl Default for HeadConfig {
@@ -83,6 +89,8 @@ impl Default for HeadConfig {
             groups: 0,
             kv_budget_bytes: pipeshard_stage::kv_budget(None),
             max_queue: 64,
+            draft_k: None,
+            draft_max: 10,
         }
     }
 }
@@ -113,6 +121,10 @@ pub struct Usage {
     pub completion_tokens: usize,
     /// Their sum.
     pub total_tokens: usize,
+    /// Tokens a drafter proposed (speculative decoding).
+    pub drafted_tokens: usize,
+    /// Proposals the target accepted.
+    pub accepted_tokens: usize,
 }
 
 /// What a request produces, in order: pieces, then `Done` or `Error`.
@@ -221,12 +233,14 @@ impl HeadHandle {
     }
 }
 
-/// Stage 0, run in the head's process.
+/// What computes in the head's process: stage 0, and the drafter if any.
 pub struct LocalStage {
     /// Its weights.
     pub stage: Stage,
     /// Its identity.
     pub identity: StageIdentity,
+    /// Speculative decoding's drafter.
+    pub drafter: Option<draft::Drafter>,
 }
 
 /// Starts the head: the ring listener (for the last stage's results), the ring check, the
@@ -310,7 +324,21 @@ pub async fn start(
         0 => 1 + config.remote.len(),
         n => n,
     };
-    let state = scheduler::State::new(model.clone(), &config, groups, budgets, waiting.clone());
+    if let Some(d) = &local.drafter {
+        tracing::info!(drafter = %d, k = ?config.draft_k, "speculative decoding");
+    }
+    let spec = local.drafter.map(|drafter| scheduler::Speculation {
+        drafter,
+        tuner: draft::Tuner::new(config.draft_k, config.draft_max),
+    });
+    let state = scheduler::State::new(
+        model.clone(),
+        &config,
+        groups,
+        budgets,
+        waiting.clone(),
+        spec,
+    );
     scheduler::spawn(rx, results_rx, worker, status_rx.clone(), state);
     Ok(HeadHandle {
         tx,

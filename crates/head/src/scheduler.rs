@@ -12,11 +12,12 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use pipeshard_generate::{Detokenizer, FinishReason, Sampler, StopChecker};
+use pipeshard_generate::{Detokenizer, Dist, FinishReason, Lane, Sampler, StopChecker};
 use pipeshard_stage::Worker;
 use pipeshard_wire::pb::{self, frame::Kind};
 use tokio::sync::{mpsc, watch};
 
+use crate::draft::{Drafter, Proposal, Tuner};
 use crate::{GenEvent, GenRequest, HeadConfig, RingStatus, ServedModel, Usage};
 
 /// KV bytes a request needs on each stage (`budgets`: per stage, budget and bytes per
@@ -62,13 +63,46 @@ struct Seq {
     detok: Detokenizer,
     generated: usize,
     stage_us: Vec<u64>,
+    /// The prompt and every token chosen since (the drafters' context).
+    context: Vec<u32>,
+    /// Proposals sent and accepted (for the usage report).
+    drafted: usize,
+    accepted: usize,
+    /// Decayed counts of proposals verified and accepted (the acceptance rate).
+    verified_ema: f64,
+    accepted_ema: f64,
+    /// Steps since it last drafted (to try drafting again after a while).
+    undrafted: usize,
+}
+
+impl Seq {
+    /// Probability that a proposal is accepted, estimated (0.5 before any).
+    fn acceptance(&self) -> f64 {
+        (self.accepted_ema + 1.0) / (self.verified_ema + 2.0)
+    }
+}
+
+/// A sequence's part of a step in the ring.
+struct Fed {
+    id: u64,
+    /// Input rows.
+    n: usize,
+    /// The proposals verified with it.
+    proposals: Vec<u32>,
 }
 
 struct InFlight {
     batch_id: u64,
-    /// Each sequence in the step and how many tokens it fed.
-    seqs: Vec<(u64, usize)>,
+    seqs: Vec<Fed>,
+    rows: usize,
+    sent: std::time::Instant,
     deadline: tokio::time::Instant,
+}
+
+/// Speculative decoding at the head: the drafter and the choice of `k`.
+pub(crate) struct Speculation {
+    pub drafter: Drafter,
+    pub tuner: Tuner,
 }
 
 /// Everything the actor owns; synchronous, so it is tested without a runtime.
@@ -90,6 +124,7 @@ pub(crate) struct State {
     queue: VecDeque<(GenRequest, mpsc::UnboundedSender<GenEvent>)>,
     /// The queue's length, for the handle to refuse requests when it is full.
     waiting: Arc<AtomicUsize>,
+    spec: Option<Speculation>,
 }
 
 impl State {
@@ -99,8 +134,10 @@ impl State {
         groups: usize,
         budgets: Vec<(u64, u64)>,
         waiting: Arc<AtomicUsize>,
+        spec: Option<Speculation>,
     ) -> Self {
         Self {
+            spec,
             reserved: vec![0; budgets.len()],
             budgets,
             queue: VecDeque::new(),
@@ -162,6 +199,9 @@ impl State {
     /// Forgets a sequence and frees its reservation.
     fn remove(&mut self, id: u64) -> Option<Seq> {
         let s = self.seqs.remove(&id)?;
+        if let Some(sp) = &mut self.spec {
+            sp.drafter.release(id);
+        }
         let need = self.need(&s.req);
         for (r, n) in self.reserved.iter_mut().zip(&need) {
             *r = r.saturating_sub(*n);
@@ -195,6 +235,12 @@ impl State {
             self.next_seq,
             Seq {
                 group,
+                context: req.prompt.clone(),
+                drafted: 0,
+                accepted: 0,
+                verified_ema: 0.0,
+                accepted_ema: 0.0,
+                undrafted: 0,
                 req,
                 events,
                 fed: 0,
@@ -216,7 +262,7 @@ impl State {
         self.in_flight
             .iter()
             .flatten()
-            .flat_map(|f| f.seqs.iter().map(|s| s.0))
+            .flat_map(|f| f.seqs.iter().map(|s| s.id))
             .collect()
     }
 
@@ -282,13 +328,60 @@ impl State {
         // prompt delays its group's decoding sequences by at most one chunk's time.
         let mut prefill_budget = self.chunk;
         for id in order {
-            let s = self.seqs.get_mut(&id).expect("id taken from the map");
             let budget = self.max_rows - rows;
             if budget == 0 {
                 break;
             }
-            let (tokens, last): (Vec<u32>, bool) = match s.next_input {
-                Some(t) => (vec![t], true),
+            let s = self.seqs.get_mut(&id).expect("id taken from the map");
+            let g = s.generated as u64;
+            let mut seq_step = pb::SeqStep {
+                seq_id: id,
+                pos: s.fed as u32,
+                ..Default::default()
+            };
+            let mut sampling = pb::Sampling {
+                temperature: s.req.sampling.temperature,
+                top_k: s.req.sampling.top_k as u32,
+                top_p: s.req.sampling.top_p,
+                logprobs: s.req.logprobs,
+                ..Default::default()
+            };
+            let tokens: Vec<u32> = match s.next_input {
+                Some(t) => {
+                    let proposals = match &mut self.spec {
+                        Some(sp) => draft(sp, id, s, budget),
+                        None => vec![],
+                    };
+                    let mut tokens = vec![t];
+                    if proposals.is_empty() {
+                        seq_step.output = pb::Output::Last as i32;
+                    } else {
+                        // Every proposal but a sampling run's last one is also an input.
+                        let fed = proposals.len() - usize::from(s.req.sampling.temperature > 0.0);
+                        tokens.extend(proposals[..fed].iter().map(|p| p.token));
+                        seq_step.output = pb::Output::All as i32;
+                        sampling.accept_uniforms = (0..proposals.len() as u64)
+                            .map(|i| s.draws.uniform(g + i, Lane::Accept))
+                            .collect();
+                        if proposals.iter().any(|p| p.q.is_some()) {
+                            seq_step.draft_q = proposals
+                                .iter()
+                                .map(|p| {
+                                    let q = p.q.clone().unwrap_or_else(|| Dist::point(p.token));
+                                    pb::Dist {
+                                        ids: q.ids,
+                                        probs: q.probs,
+                                    }
+                                })
+                                .collect();
+                        }
+                        seq_step.draft = proposals.iter().map(|p| p.token).collect();
+                    }
+                    sampling.uniforms = (0..tokens.len() as u64)
+                        .map(|i| s.draws.uniform(g + i, Lane::Sample))
+                        .collect();
+                    tokens
+                }
                 None => {
                     let left = s.req.prompt.len() - s.fed;
                     let n = left.min(prefill_budget).min(budget);
@@ -296,35 +389,22 @@ impl State {
                         continue;
                     }
                     prefill_budget -= n;
-                    (s.req.prompt[s.fed..s.fed + n].to_vec(), n == left)
+                    if n == left {
+                        seq_step.output = pb::Output::Last as i32;
+                        sampling.uniforms = vec![s.draws.uniform(g, Lane::Sample)];
+                    }
+                    s.req.prompt[s.fed..s.fed + n].to_vec()
                 }
             };
-            let output = if last {
-                pb::Output::Last
-            } else {
-                pb::Output::None
-            };
-            let uniforms = if last {
-                vec![s.draws.next_uniform()]
-            } else {
-                vec![]
-            };
             rows += tokens.len();
-            fed.push((id, tokens.len()));
-            step.seqs.push(pb::SeqStep {
-                seq_id: id,
-                pos: s.fed as u32,
-                n: tokens.len() as u32,
-                output: output as i32,
-                draft: vec![],
-                sampling: Some(pb::Sampling {
-                    temperature: s.req.sampling.temperature,
-                    top_k: s.req.sampling.top_k as u32,
-                    top_p: s.req.sampling.top_p,
-                    uniforms,
-                    logprobs: s.req.logprobs,
-                }),
+            seq_step.n = tokens.len() as u32;
+            seq_step.sampling = Some(sampling);
+            fed.push(Fed {
+                id,
+                n: tokens.len(),
+                proposals: seq_step.draft.clone(),
             });
+            step.seqs.push(seq_step);
             step.tokens.extend(tokens);
         }
         self.next_batch += 1;
@@ -332,6 +412,8 @@ impl State {
         self.in_flight[group] = Some(InFlight {
             batch_id: step.batch_id,
             seqs: fed,
+            rows,
+            sent: std::time::Instant::now(),
             deadline: tokio::time::Instant::now() + self.step_timeout,
         });
         Some(step)
@@ -362,50 +444,89 @@ impl State {
             );
         }
         let stage_us: Vec<u64> = r.timings.iter().map(|t| t.compute_us).collect();
+        if let Some(sp) = &mut self.spec {
+            sp.tuner
+                .observe_step(f.rows, f.sent.elapsed().as_micros() as f64);
+        }
         let mut ended = Vec::new();
-        for (id, n) in &f.seqs {
-            let Some(s) = self.seqs.get_mut(id) else {
+        for fed in &f.seqs {
+            let id = fed.id;
+            let Some(s) = self.seqs.get_mut(&id) else {
                 continue;
             };
-            s.fed += n;
-            s.next_input = None;
             if s.stage_us.len() < stage_us.len() {
                 s.stage_us.resize(stage_us.len(), 0);
             }
             for (a, b) in s.stage_us.iter_mut().zip(&stage_us) {
                 *a += b;
             }
-            let Some(out) = r.seqs.iter().find(|o| o.seq_id == *id) else {
-                if s.fed < s.req.prompt.len() {
-                    continue; // a prompt chunk: no token yet
+            let out = r.seqs.iter().find(|o| o.seq_id == id);
+            if out.is_none() && s.next_input.is_none() && s.fed + fed.n < s.req.prompt.len() {
+                s.fed += fed.n; // a prompt chunk: no token yet
+                continue;
+            }
+            // The result is the accepted proposals plus one token; the inputs after the last
+            // accepted proposal are rolled back by the next step's position.
+            let tokens = out.map_or(&[][..], |o| &o.tokens[..]);
+            let accepted = tokens.len().saturating_sub(1);
+            if tokens.is_empty()
+                || accepted >= fed.n
+                || tokens[..accepted] != fed.proposals[..accepted]
+            {
+                let _ = s.events.send(GenEvent::Error(
+                    "the last stage returned tokens that do not fit the step".into(),
+                ));
+                ended.push(id);
+                continue;
+            }
+            s.fed += match s.next_input.take() {
+                Some(_) => 1 + accepted,
+                None => fed.n, // the prompt's last chunk
+            };
+            let verified = fed.proposals.len().min(tokens.len());
+            let hits = tokens
+                .iter()
+                .zip(&fed.proposals)
+                .filter(|(t, p)| t == p)
+                .count();
+            s.drafted += fed.proposals.len();
+            s.accepted += hits;
+            if verified > 0 {
+                s.verified_ema = 0.8 * s.verified_ema + verified as f64;
+                s.accepted_ema = 0.8 * s.accepted_ema + hits as f64;
+            }
+            let logprobs = out.map_or(&[][..], |o| &o.logprobs[..]);
+            let mut finish = None;
+            for (i, &token) in tokens.iter().enumerate() {
+                finish = self.on_token(id, token, logprobs.get(i).copied());
+                if finish.is_some() {
+                    break;
                 }
-                let _ = s
-                    .events
-                    .send(GenEvent::Error("the last stage returned no token".into()));
-                ended.push(*id);
-                continue;
-            };
-            let (Some(&token), logprob) = (out.tokens.first(), out.logprobs.first().copied())
-            else {
-                let _ = s
-                    .events
-                    .send(GenEvent::Error("the last stage returned no token".into()));
-                ended.push(*id);
-                continue;
-            };
-            if let Some(finish) = self.on_token(*id, token, logprob) {
-                let s = &self.seqs[id];
+            }
+            if let Some(finish) = finish {
+                let s = &self.seqs[&id];
                 let prompt_tokens = s.req.prompt.len();
+                if s.drafted > 0 {
+                    tracing::info!(
+                        seq = id,
+                        drafted = s.drafted,
+                        accepted = s.accepted,
+                        generated = s.generated,
+                        "speculation"
+                    );
+                }
                 let _ = s.events.send(GenEvent::Done {
                     finish,
                     usage: Usage {
                         prompt_tokens,
                         completion_tokens: s.generated,
                         total_tokens: prompt_tokens + s.generated,
+                        drafted_tokens: s.drafted,
+                        accepted_tokens: s.accepted,
                     },
                     stage_compute_us: s.stage_us.clone(),
                 });
-                ended.push(*id);
+                ended.push(id);
             }
         }
         for id in &ended {
@@ -443,6 +564,7 @@ impl State {
             token: Some(token),
             logprob,
         });
+        s.context.push(token);
         if done.is_none() {
             s.next_input = Some(token);
         }
@@ -461,7 +583,7 @@ impl State {
 
     fn fail(&mut self, f: &InFlight, msg: &str) -> Vec<u64> {
         tracing::warn!(batch = f.batch_id, "{msg}");
-        let ids: Vec<u64> = f.seqs.iter().map(|s| s.0).collect();
+        let ids: Vec<u64> = f.seqs.iter().map(|s| s.id).collect();
         for id in &ids {
             if let Some(s) = self.remove(*id) {
                 let _ = s.events.send(GenEvent::Error(msg.to_string()));
@@ -480,6 +602,49 @@ impl State {
             }
         }
         ids
+    }
+}
+
+/// Proposals for a decoding sequence, at most `budget - 1` of them fed: as many as the tuner
+/// chooses (none when drafting does not pay, though it tries again now and then), within the
+/// tokens the request may still produce. A sampling sequence gets one more, for the row after
+/// the last fed one, so that every position it samples is verified the same way.
+fn draft(sp: &mut Speculation, id: u64, s: &mut Seq, budget: usize) -> Vec<Proposal> {
+    let left = s.req.max_tokens.saturating_sub(s.generated + 1);
+    let mut k = sp.tuner.choose(s.acceptance());
+    if k == 0 && s.undrafted >= 16 {
+        k = 1;
+    }
+    let k = k.min(left).min(budget - 1);
+    let sampling = s.req.sampling.temperature > 0.0;
+    let want = k + usize::from(sampling);
+    if k == 0 && !sampling {
+        s.undrafted += 1;
+        return vec![];
+    }
+    s.undrafted = 0;
+    let g = s.generated as u64;
+    let draws: Vec<f32> = (0..want as u64)
+        .map(|i| s.draws.uniform(g + i, Lane::Draft))
+        .collect();
+    let started = std::time::Instant::now();
+    let proposals = sp
+        .drafter
+        .propose(id, &s.context, want, &s.req.sampling, &draws);
+    sp.tuner
+        .observe_draft(proposals.len(), started.elapsed().as_micros() as f64);
+    proposals
+}
+
+/// The state's next step; a drafter computes while building it, so the runtime is told to move
+/// other tasks off this thread meanwhile.
+fn next_step(state: &mut State) -> Option<pb::Step> {
+    let multi = tokio::runtime::Handle::current().runtime_flavor()
+        == tokio::runtime::RuntimeFlavor::MultiThread;
+    if state.spec.is_some() && multi {
+        tokio::task::block_in_place(|| state.next_step())
+    } else {
+        state.next_step()
     }
 }
 
@@ -502,7 +667,7 @@ pub(crate) fn spawn(
             release(state.reap_cancelled());
             state.admit_waiting();
             if status.borrow().ready {
-                while let Some(step) = state.next_step() {
+                while let Some(step) = next_step(&mut state) {
                     tracing::debug!(batch = step.batch_id, rows = step.tokens.len(), "step");
                     if !worker.send(pb::Frame {
                         kind: Some(Kind::Step(step)),
@@ -555,6 +720,10 @@ mod tests_support {
     use pipeshard_testkit::{tiny_model, Flavour};
 
     pub fn state(chunk: usize, groups: usize) -> State {
+        state_with(chunk, groups, None)
+    }
+
+    pub fn state_with(chunk: usize, groups: usize, spec: Option<Speculation>) -> State {
         let tmp = tempfile::tempdir().unwrap();
         let path = tiny_model(tmp.path(), Flavour::Llama, 1);
         let g = GgufFile::open(&path).unwrap();
@@ -574,6 +743,7 @@ mod tests_support {
             groups,
             vec![(u64::MAX / 2, 1)],
             Arc::default(),
+            spec,
         )
     }
 
@@ -818,5 +988,82 @@ mod fairness_tests {
         assert_eq!(prompt_rows_seen[0], vec![(2, 8)]);
         assert_eq!(prompt_rows_seen[1], vec![(2, 8)]);
         assert_eq!(prompt_rows_seen[2], vec![(2, 4), (3, 4)]);
+    }
+}
+
+#[cfg(test)]
+mod speculation_tests {
+    use super::tests_support::*;
+    use super::*;
+
+    #[test]
+    fn proposals_are_verified_and_rejected_ones_rolled_back() {
+        let spec = Speculation {
+            drafter: Drafter::Ngram,
+            tuner: Tuner::new(Some(3), 3),
+        };
+        let mut st = state_with(64, 1, Some(spec));
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        // The prompt repeats [5 6 7 8]: after "5 6", prompt lookup proposes 7 8 5.
+        let mut req = request(0, 8);
+        req.prompt = vec![5, 6, 7, 8, 5, 6, 7, 8, 5];
+        st.admit(req, tx);
+        let prefill = st.next_step().unwrap();
+        assert_eq!(prefill.seqs[0].draft, Vec::<u32>::new());
+        st.on_result(reply(&prefill, 6));
+        let step = st.next_step().unwrap();
+        let s = &step.seqs[0];
+        assert_eq!((s.pos, s.n, s.output), (9, 4, pb::Output::All as i32));
+        assert_eq!(step.tokens, [6, 7, 8, 5]);
+        assert_eq!(s.draft, [7, 8, 5]);
+        // The target accepts 7, replaces 8 with 1: two tokens; position 11 is rolled back.
+        let mut r = reply(&step, 0);
+        r.seqs[0].tokens = vec![7, 1];
+        assert!(st.on_result(r).is_empty());
+        let step = st.next_step().unwrap();
+        assert_eq!(step.seqs[0].pos, 11);
+        assert_eq!(step.tokens[0], 1);
+        // A result that claims more than was proposed is refused.
+        let mut r = reply(&step, 0);
+        r.seqs[0].tokens = vec![3; step.tokens.len() + 1];
+        assert_eq!(st.on_result(r).len(), 1);
+        let mut tokens = vec![];
+        while let Ok(e) = rx.try_recv() {
+            match e {
+                GenEvent::Text { token, .. } => tokens.extend(token),
+                GenEvent::Error(e) => assert!(e.contains("do not fit"), "{e}"),
+                GenEvent::Done { .. } => panic!("the sequence failed"),
+            }
+        }
+        assert_eq!(tokens, [6, 7, 1]);
+    }
+
+    #[test]
+    fn usage_counts_drafted_and_accepted_tokens_and_k_respects_max_tokens() {
+        let spec = Speculation {
+            drafter: Drafter::Ngram,
+            tuner: Tuner::new(Some(8), 8),
+        };
+        let mut st = state_with(64, 1, Some(spec));
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let mut req = request(0, 4);
+        req.prompt = vec![5, 6, 7, 8, 9, 10, 11, 5];
+        st.admit(req, tx);
+        let prefill = st.next_step().unwrap();
+        st.on_result(reply(&prefill, 6));
+        let step = st.next_step().unwrap();
+        // 3 tokens left to generate: at most 2 proposals fed.
+        assert_eq!(step.seqs[0].draft, [7, 8]);
+        let mut r = reply(&step, 0);
+        r.seqs[0].tokens = vec![7, 8, 9];
+        assert_eq!(st.on_result(r).len(), 1);
+        let done = std::iter::from_fn(|| rx.try_recv().ok()).last();
+        let Some(GenEvent::Done { usage, .. }) = done else {
+            panic!("{done:?}");
+        };
+        assert_eq!(
+            (usage.completion_tokens, usage.drafted_tokens, usage.accepted_tokens),
+            (4, 2, 2)
+        );
     }
 }

@@ -6,7 +6,7 @@ use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::time::Instant;
 
-use pipeshard_generate::{logprob, sample_with, SamplingParams};
+use pipeshard_generate::{choose_rows, logprob, Dist, SamplingParams};
 use pipeshard_model::{KvStore, SeqId, SeqLogits, Stage, StageOutput};
 use pipeshard_wire::pb::{self, frame::Kind};
 use pipeshard_wire::{decode_step, encode_hidden, Limits, WireDtype};
@@ -168,7 +168,8 @@ fn compute(
     }
 }
 
-/// The last stage's choice: a token per output row, from the head's parameters and draws.
+/// The last stage's choice: tokens from the output rows (see [`choose_rows`]), with the
+/// head's parameters and draws.
 fn choose(seqs: &[pb::SeqStep], logits: &[SeqLogits]) -> Result<Vec<pb::SeqResult>, String> {
     let mut out = Vec::with_capacity(logits.len());
     let mut wanted = seqs.iter().filter(|s| s.output != pb::Output::None as i32);
@@ -185,27 +186,49 @@ fn choose(seqs: &[pb::SeqStep], logits: &[SeqLogits]) -> Result<Vec<pb::SeqResul
             seed: None,
         };
         params.validate().map_err(|e| e.to_string())?;
-        if params.temperature > 0.0 && sp.uniforms.len() < l.rows {
+        let sampling = params.temperature > 0.0;
+        if sampling && (sp.uniforms.len() < l.rows || sp.accept_uniforms.len() < s.draft.len()) {
             return Err(format!(
-                "sequence {} samples {} rows with {} uniform draws",
+                "sequence {} samples {} rows with {} uniform draws and verifies {} proposals with {}",
                 s.seq_id,
                 l.rows,
-                sp.uniforms.len()
+                sp.uniforms.len(),
+                s.draft.len(),
+                sp.accept_uniforms.len()
             ));
         }
-        let mut r = pb::SeqResult {
-            seq_id: s.seq_id,
-            ..Default::default()
+        let q: Vec<Option<Dist>> = s
+            .draft_q
+            .iter()
+            .map(|q| {
+                (!q.ids.is_empty()).then(|| Dist {
+                    ids: q.ids.clone(),
+                    probs: q.probs.clone(),
+                })
+            })
+            .collect();
+        let tokens = choose_rows(
+            &params,
+            (0..l.rows).map(|i| l.row(i)),
+            &s.draft,
+            &q,
+            &sp.uniforms,
+            &sp.accept_uniforms,
+        );
+        let logprobs = if sp.logprobs {
+            tokens
+                .iter()
+                .enumerate()
+                .map(|(i, &t)| logprob(l.row(i), t))
+                .collect()
+        } else {
+            vec![]
         };
-        for i in 0..l.rows {
-            let row = l.row(i);
-            let u = sp.uniforms.get(i).copied().unwrap_or(0.0);
-            let t = sample_with(&params, row, u);
-            r.tokens.push(t);
-            if sp.logprobs {
-                r.logprobs.push(logprob(row, t));
-            }
-        }
+        let r = pb::SeqResult {
+            seq_id: s.seq_id,
+            tokens,
+            logprobs,
+        };
         out.push(r);
     }
     Ok(out)

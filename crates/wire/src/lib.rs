@@ -200,12 +200,36 @@ pub fn decode_step(
         }
         let output = pb::Output::try_from(s.output)
             .map_err(|_| WireError::Malformed(format!("unknown output kind {}", s.output)))?;
-        if s.draft.len() >= n {
-            return Err(WireError::Malformed(format!(
-                "sequence {}: {} drafts among {n} tokens",
-                s.seq_id,
-                s.draft.len()
-            )));
+        if !s.draft.is_empty() {
+            let bad = if output != pb::Output::All {
+                Some("proposals need every row's output".to_string())
+            } else if s.draft.len() + 1 < n || s.draft.len() > n {
+                Some(format!("{} proposals for {n} rows", s.draft.len()))
+            } else if !s.draft_q.is_empty() && s.draft_q.len() != s.draft.len() {
+                Some(format!(
+                    "{} proposal distributions for {} proposals",
+                    s.draft_q.len(),
+                    s.draft.len()
+                ))
+            } else if first
+                && step
+                    .tokens
+                    .get(rows + 1..rows + n)
+                    .is_some_and(|t| t != &s.draft[..n - 1])
+            {
+                Some("the proposals are not the drafted input tokens".to_string())
+            } else {
+                s.draft_q
+                    .iter()
+                    .find(|q| q.ids.len() != q.probs.len())
+                    .map(|_| "a proposal distribution with more ids than probabilities".to_string())
+            };
+            if let Some(why) = bad {
+                return Err(WireError::Malformed(format!(
+                    "sequence {}: {why}",
+                    s.seq_id
+                )));
+            }
         }
         rows += n;
         seqs.push(SeqStep {
@@ -402,6 +426,20 @@ mod tests {
         assert!(err(step(vec![(1, 0, 2)], vec![0]), true).contains("1 token ids for 2 rows"));
         assert!(err(step(vec![(1, 63, 2)], vec![0; 2]), true).contains("context length 64"));
         assert!(err(step(vec![(1, 0, 0)], vec![]), true).contains("n = 0"));
+        let spec = |draft: Vec<u32>, q: usize, output: pb::Output| {
+            let mut s = step(vec![(1, 0, 3)], vec![7, 8, 9]);
+            s.seqs[0].output = output as i32;
+            s.seqs[0].draft = draft;
+            s.seqs[0].draft_q = vec![pb::Dist::default(); q];
+            s
+        };
+        let all = pb::Output::All;
+        assert!(decode_step(&spec(vec![8, 9], 0, all), true, 8, 64, &l).is_ok());
+        assert!(decode_step(&spec(vec![8, 9, 4], 3, all), true, 8, 64, &l).is_ok());
+        assert!(err(spec(vec![8, 9], 0, pb::Output::Last), true).contains("every row"));
+        assert!(err(spec(vec![8], 0, all), true).contains("1 proposals for 3 rows"));
+        assert!(err(spec(vec![8, 9], 1, all), true).contains("1 proposal distributions"));
+        assert!(err(spec(vec![8, 5], 0, all), true).contains("not the drafted input"));
         assert!(err(step(vec![(1, 0, 1)], vec![0]), false).contains("has none"));
         let mut bad_output = step(vec![(1, 0, 1)], vec![0]);
         bad_output.seqs[0].output = 9;

@@ -1,0 +1,368 @@
+//! Drafters for speculative decoding: they propose the next tokens of a sequence, which the
+//! ring then verifies in one pass. A proposal for a position depends only on the tokens
+//! before it (and, for a sampling draft model, that position's draw), never on how many
+//! tokens are drafted at once: so a seeded request gives the same output whatever `k`.
+
+use std::collections::HashMap;
+use std::fmt;
+
+use pipeshard_generate::{Dist, SamplingParams, Tokenizer};
+use pipeshard_model::{
+    KvStore, LogitsWanted, SeqId, SeqStep, Stage, StageInput, StageOutput, StepBatch,
+};
+
+/// The longest and shortest suffix an n-gram lookup matches.
+const NGRAM_MAX: usize = 8;
+const NGRAM_MIN: usize = 2;
+/// A draft model proposes from its own `DRAFT_TOP_K` most likely tokens when sampling.
+const DRAFT_TOP_K: usize = 16;
+/// Longest prompt piece a draft model ingests in one forward pass.
+const DRAFT_CHUNK: usize = 256;
+
+/// One proposed token and the distribution it was drawn from (`None`: proposed with
+/// certainty).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Proposal {
+    /// The token.
+    pub token: u32,
+    /// Its proposal distribution.
+    pub q: Option<Dist>,
+}
+
+/// Prompt lookup: the token that followed the most recent earlier occurrence of the longest
+/// suffix (of 2 to 8 tokens) of the context.
+pub fn ngram_next(context: &[u32]) -> Option<u32> {
+    let len = context.len();
+    for n in (NGRAM_MIN..=NGRAM_MAX.min(len.saturating_sub(1))).rev() {
+        let suffix = &context[len - n..];
+        // Earlier occurrences end before the last token, so a continuation exists.
+        if let Some(start) = (0..len - n).rev().find(|&j| &context[j..j + n] == suffix) {
+            return Some(context[start + n]);
+        }
+    }
+    None
+}
+
+/// A small model of the same tokenizer, run on the head: all its layers and one KV cache per
+/// sequence, kept in step with the sequence's accepted tokens.
+pub struct DraftModel {
+    stage: Stage,
+    kv: KvStore,
+    /// Per sequence, the tokens its cache holds.
+    cached: HashMap<u64, Vec<u32>>,
+    name: String,
+}
+
+impl DraftModel {
+    /// A draft model: `stage` must hold every layer; `tokenizer` must be the target's.
+    pub fn new(
+        stage: Stage,
+        tokenizer: &Tokenizer,
+        target: &Tokenizer,
+        name: &str,
+    ) -> Result<Self, String> {
+        if !stage.is_first() || !stage.is_last() {
+            return Err(format!(
+                "the draft model {name} must be whole (it holds layers {})",
+                stage.range()
+            ));
+        }
+        if let Some(why) = tokenizer_mismatch(tokenizer, target) {
+            return Err(format!(
+                "the draft model {name} cannot draft for this model: {why}"
+            ));
+        }
+        Ok(Self {
+            stage,
+            kv: KvStore::new(),
+            cached: HashMap::new(),
+            name: name.to_string(),
+        })
+    }
+
+    /// Logits for the position after `context`, after feeding the cache what it lacks.
+    fn next_logits(&mut self, seq: u64, context: &[u32]) -> Option<Vec<f32>> {
+        if context.is_empty() || context.len() > self.stage.config().ctx_len {
+            return None;
+        }
+        let cached = self.cached.entry(seq).or_default();
+        let mut common = cached
+            .iter()
+            .zip(context)
+            .take_while(|(a, b)| a == b)
+            .count();
+        // The last token is fed again when the cache already holds all of it: its logits are
+        // not kept.
+        if common == context.len() {
+            common -= 1;
+        }
+        cached.truncate(common);
+        let mut logits = None;
+        while common < context.len() {
+            let n = (context.len() - common).min(DRAFT_CHUNK);
+            let last = common + n == context.len();
+            let batch = StepBatch {
+                seqs: vec![SeqStep {
+                    seq: SeqId(seq),
+                    pos: common,
+                    n,
+                    logits: if last {
+                        LogitsWanted::Last
+                    } else {
+                        LogitsWanted::None
+                    },
+                }],
+                input: StageInput::Tokens(context[common..common + n].to_vec()),
+            };
+            match self.stage.forward(&batch, &mut self.kv) {
+                Ok(StageOutput::Logits(l)) if last => {
+                    logits = l.into_iter().next().map(|l| l.row(0).to_vec());
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::warn!(seq, error = %e, "the draft model failed; not drafting");
+                    self.release(seq);
+                    return None;
+                }
+            }
+            cached.extend_from_slice(&context[common..common + n]);
+            common += n;
+        }
+        logits
+    }
+
+    fn release(&mut self, seq: u64) {
+        self.cached.remove(&seq);
+        self.kv.release(SeqId(seq));
+    }
+}
+
+/// Why a draft tokenizer cannot stand in for the target's, if it cannot.
+fn tokenizer_mismatch(draft: &Tokenizer, target: &Tokenizer) -> Option<String> {
+    if draft.vocab_size() != target.vocab_size() {
+        return Some(format!(
+            "its vocabulary has {} tokens, the target's {}",
+            draft.vocab_size(),
+            target.vocab_size()
+        ));
+    }
+    if let Some(i) = (0..target.vocab_size() as u32).find(|&i| draft.token(i) != target.token(i)) {
+        return Some(format!(
+            "token {i} is {:?} there but {:?} in the target",
+            draft.token(i).unwrap_or(""),
+            target.token(i).unwrap_or("")
+        ));
+    }
+    None
+}
+
+/// What proposes tokens.
+pub enum Drafter {
+    /// Prompt lookup.
+    Ngram,
+    /// A draft model.
+    Model(Box<DraftModel>),
+    /// Prompt lookup where it finds a match, the draft model elsewhere.
+    Both(Box<DraftModel>),
+}
+
+impl fmt::Display for Drafter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Ngram => write!(f, "ngram"),
+            Self::Model(m) => write!(f, "{}", m.name),
+            Self::Both(m) => write!(f, "ngram+{}", m.name),
+        }
+    }
+}
+
+impl Drafter {
+    /// Up to `k` proposals for the positions after `context`; `uniforms[i]` is the draw for
+    /// the i-th (a sampling draft model's choice). Stops early where there is nothing to
+    /// propose.
+    pub fn propose(
+        &mut self,
+        seq: u64,
+        context: &[u32],
+        k: usize,
+        params: &SamplingParams,
+        uniforms: &[f32],
+    ) -> Vec<Proposal> {
+        let mut ctx = context.to_vec();
+        let mut out = Vec::with_capacity(k);
+        for i in 0..k {
+            let gram = match self {
+                Self::Model(_) => None,
+                _ => ngram_next(&ctx),
+            };
+            let p = match (gram, &mut *self) {
+                (Some(token), _) => Proposal { token, q: None },
+                (None, Self::Model(m) | Self::Both(m)) => {
+                    let Some(logits) = m.next_logits(seq, &ctx) else {
+                        break;
+                    };
+                    if params.temperature <= 0.0 {
+                        Proposal {
+                            token: pipeshard_model::batch::argmax(&logits),
+                            q: None,
+                        }
+                    } else {
+                        let q = Dist::new(params, &logits).top(DRAFT_TOP_K);
+                        Proposal {
+                            token: q.pick(uniforms.get(i).copied().unwrap_or(0.0)),
+                            q: Some(q),
+                        }
+                    }
+                }
+                (None, Self::Ngram) => break,
+            };
+            ctx.push(p.token);
+            out.push(p);
+        }
+        out
+    }
+
+    /// Forgets a sequence.
+    pub fn release(&mut self, seq: u64) {
+        if let Self::Model(m) | Self::Both(m) = self {
+            m.release(seq);
+        }
+    }
+}
+
+/// Chooses how many tokens to draft for a sequence: the `k` that maximizes expected tokens
+/// per unit of time, from the sequence's acceptance rate, the measured cost of a step as a
+/// function of its rows (a decayed least-squares line) and the measured cost of drafting.
+#[derive(Debug, Clone)]
+pub struct Tuner {
+    /// A fixed `k`, or `None` to adapt.
+    fixed: Option<usize>,
+    /// The largest `k` tried when adapting.
+    max: usize,
+    /// Decayed sums for the line `step_us = a + b * rows`: n, Σx, Σy, Σx², Σxy.
+    sums: [f64; 5],
+    /// Drafting time per proposal, µs (moving average).
+    draft_us: Option<f64>,
+}
+
+/// How fast old observations fade (per observation).
+const DECAY: f64 = 0.97;
+
+impl Tuner {
+    /// A tuner: `fixed` pins `k`; otherwise it adapts between 0 and `max`.
+    pub fn new(fixed: Option<usize>, max: usize) -> Self {
+        Self {
+            fixed,
+            max,
+            sums: [0.0; 5],
+            draft_us: None,
+        }
+    }
+
+    /// A step of `rows` rows took `us` from sending to its result.
+    pub fn observe_step(&mut self, rows: usize, us: f64) {
+        let x = rows as f64;
+        let [n, sx, sy, sxx, sxy] = &mut self.sums;
+        for (s, v) in [(n, 1.0), (sx, x), (sy, us), (sxx, x * x), (sxy, x * us)] {
+            *s = *s * DECAY + v;
+        }
+    }
+
+    /// Drafting `proposals` tokens took `us`.
+    pub fn observe_draft(&mut self, proposals: usize, us: f64) {
+        if proposals == 0 {
+            return;
+        }
+        let per = us / proposals as f64;
+        self.draft_us = Some(self.draft_us.map_or(per, |d| 0.8 * d + 0.2 * per));
+    }
+
+    /// The step line (a, b): a fixed cost and a cost per row. Until rows vary enough to fit
+    /// it, a row is taken to cost a quarter of the fixed part.
+    fn line(&self) -> (f64, f64) {
+        let [n, sx, sy, sxx, sxy] = self.sums;
+        if n < 1.0 {
+            return (1.0, 0.25);
+        }
+        let var = n * sxx - sx * sx;
+        let (mx, my) = (sx / n, sy / n);
+        if var <= 1e-6 * n * n {
+            // One row count only: split its mean as the prior does.
+            let a = my / (1.0 + 0.25 * mx);
+            return (a, 0.25 * a);
+        }
+        let b = ((n * sxy - sx * sy) / var).max(0.0);
+        ((my - b * mx).max(0.0), b)
+    }
+
+    /// The `k` for a sequence whose proposals are accepted with probability `alpha`.
+    pub fn choose(&self, alpha: f64) -> usize {
+        if let Some(k) = self.fixed {
+            return k;
+        }
+        let (a, b) = self.line();
+        let d = self.draft_us.unwrap_or(0.0);
+        let alpha = alpha.clamp(0.0, 0.99);
+        let rate = |k: usize| {
+            let tokens = (1.0 - alpha.powi(k as i32 + 1)) / (1.0 - alpha);
+            tokens / (a + b * (k + 1) as f64 + d * k as f64)
+        };
+        (0..=self.max)
+            .max_by(|&x, &y| rate(x).total_cmp(&rate(y)).then(y.cmp(&x)))
+            .unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ngram_continues_the_longest_most_recent_match() {
+        // "1 2 3 9 ... 1 2 3 7 ... 2 3" → suffix [2 3] last seen before "7".
+        assert_eq!(ngram_next(&[1, 2, 3, 9, 5, 1, 2, 3, 7, 4, 2, 3]), Some(7));
+        // The longer suffix [1 2 3] wins over the more recent [2 3].
+        assert_eq!(ngram_next(&[1, 2, 3, 9, 5, 2, 3, 7, 4, 1, 2, 3]), Some(9));
+        assert_eq!(ngram_next(&[1, 2, 3, 4]), None);
+        assert_eq!(ngram_next(&[5]), None);
+        assert_eq!(ngram_next(&[]), None);
+    }
+
+    #[test]
+    fn the_tuner_drafts_more_when_more_is_accepted_and_rows_are_cheap() {
+        let mut t = Tuner::new(None, 10);
+        // Steps cost 100 ms plus 10 ms a row.
+        for rows in [1, 2, 4, 8, 1, 3, 6] {
+            t.observe_step(rows, 100_000.0 + 10_000.0 * rows as f64);
+        }
+        let (a, b) = t.line();
+        assert!(
+            (a - 100_000.0).abs() < 1.0 && (b - 10_000.0).abs() < 1.0,
+            "{a} {b}"
+        );
+        assert_eq!(t.choose(0.0), 0);
+        assert!(t.choose(0.5) >= 1);
+        assert!(t.choose(0.9) > t.choose(0.5));
+        // Costly drafting (a whole step per proposal) does not pay.
+        t.observe_draft(4, 4.0 * 200_000.0);
+        assert_eq!(t.choose(0.7), 0);
+        assert_eq!(Tuner::new(Some(3), 10).choose(0.0), 3);
+    }
+
+    #[test]
+    fn ngram_chains_are_per_position() {
+        let ctx = [10, 11, 12, 13, 14, 15, 10, 11];
+        let mut d = Drafter::Ngram;
+        let p = d.propose(1, &ctx, 3, &SamplingParams::default(), &[]);
+        let tokens: Vec<u32> = p.iter().map(|p| p.token).collect();
+        assert_eq!(tokens, [12, 13, 14]);
+        // Each is what a one-token proposal gives after the previous ones.
+        let mut longer = ctx.to_vec();
+        longer.extend([12, 13]);
+        assert_eq!(
+            d.propose(1, &longer, 1, &SamplingParams::default(), &[])[0].token,
+            14
+        );
+        assert!(p.iter().all(|p| p.q.is_none()));
+    }
+}
