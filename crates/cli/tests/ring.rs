@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::{
-    free_port, generate_json, http, pipeshard_env, split, stage, start_stage, token_file, up_json,
-    Proc,
+    fails, free_port, generate_json, http, pipeshard_env, split, stage, start_stage, token_file,
+    up_json, Proc,
 };
 use pipeshard_testkit::{tiny_model, Flavour};
 use serde_json::{json, Value};
@@ -463,4 +463,149 @@ fn kv_budgets_queue_and_refuse_requests() {
         served >= 2 && refused >= 1,
         "{served} served, {refused} refused"
     );
+}
+
+/// Speculative decoding through the ring: with prompt lookup, a draft model, or both, for
+/// fixed and adaptive k, in micro-batch groups with several users at once, each user gets
+/// the tokens decoding without speculation gives (greedy, and seeded sampling with prompt
+/// lookup); a sampling draft model gives the same tokens whatever k and batching.
+#[test]
+fn speculation_keeps_every_users_tokens() {
+    let tmp = tempfile::tempdir().unwrap();
+    let draft = tiny_model(tmp.path(), Flavour::Qwen2, 4);
+    let draft_s = draft.to_str().unwrap().to_string();
+    let both = format!("ngram+{draft_s}");
+    let words = ["hello", "ring", "there", "hello", "ring", "token"];
+    let cases: Vec<(String, Option<u64>)> = (0..4)
+        .map(|i| {
+            let n = 3 + (i * 7) % 20;
+            let prompt: Vec<&str> = (0..n).map(|k| words[(k + i) % words.len()]).collect();
+            (prompt.join(" "), (i % 2 == 1).then_some(40 + i as u64))
+        })
+        .collect();
+    for (drafter, k) in [
+        ("ngram", "3"),
+        (draft_s.as_str(), "auto"),
+        (both.as_str(), "2"),
+    ] {
+        let d = tmp.path().join(format!("ring-{k}"));
+        std::fs::create_dir_all(&d).unwrap();
+        let (s, model) = serve_tiny(&d, &["--groups", "2", "--draft", drafter, "--draft-k", k]);
+        let want: Vec<Value> = cases
+            .iter()
+            .map(|(p, seed)| {
+                let mut args = vec!["--prompt", p.as_str(), "--max-tokens", "24"];
+                let seed_s = seed.map(|x| x.to_string());
+                if let Some(sd) = &seed_s {
+                    args.extend_from_slice(&["--temperature", "0.9", "--seed", sd]);
+                    if drafter != "ngram" {
+                        // A sampling draft model: compare with k = 1 alone.
+                        args.extend_from_slice(&["--draft", drafter, "--draft-k", "1"]);
+                    }
+                }
+                generate_json(&model, &args)
+            })
+            .collect();
+        let url = format!("{}/v1/completions", s.url);
+        let threads: Vec<_> = cases
+            .iter()
+            .enumerate()
+            .map(|(i, (p, seed))| {
+                let body = json!({
+                    "model": "tiny", "prompt": p, "max_tokens": 24,
+                    "temperature": if seed.is_some() { 0.9 } else { 0.0 }, "seed": seed,
+                });
+                let url = url.clone();
+                std::thread::spawn(move || {
+                    std::thread::sleep(Duration::from_millis(((i * 29) % 40) as u64));
+                    post(&url, &body)
+                })
+            })
+            .collect();
+        let mut drafted = 0;
+        for (i, t) in threads.into_iter().enumerate() {
+            let (code, r) = t.join().unwrap();
+            assert_eq!(code, 200, "{r}");
+            assert_eq!(
+                r["choices"][0]["text"], want[i]["text"],
+                "drafter {drafter}, k {k}, user {i}: {:?}",
+                cases[i]
+            );
+            let details = &r["usage"]["completion_tokens_details"];
+            drafted += details["accepted_prediction_tokens"].as_u64().unwrap_or(0)
+                + details["rejected_prediction_tokens"].as_u64().unwrap_or(0);
+        }
+        assert!(drafted > 0, "{drafter} drafted nothing");
+    }
+}
+
+/// `generate --draft` gives the tokens plain decoding gives, for every k and drafter, and a
+/// seeded draft-model run is the same whatever k.
+#[test]
+fn generate_with_a_drafter_keeps_the_tokens() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tiny_model(tmp.path(), Flavour::Llama, 2);
+    let draft = tiny_model(tmp.path(), Flavour::Llama, 2);
+    let other = tiny_model(tmp.path(), Flavour::Llama, 5);
+    let prompt = [
+        "--prompt",
+        "hello there hello there hello",
+        "--max-tokens",
+        "40",
+    ];
+    let plain = generate_json(&m, &prompt)["tokens"].clone();
+    let seeded = ["--temperature", "0.8", "--seed", "3"];
+    let plain_seeded = generate_json(&m, &[&prompt[..], &seeded[..]].concat())["tokens"].clone();
+    let mut model_seeded = vec![];
+    for d in ["ngram", draft.to_str().unwrap(), other.to_str().unwrap()] {
+        for k in ["1", "4", "9", "auto"] {
+            let args = [&prompt[..], &["--draft", d, "--draft-k", k]].concat();
+            let out = generate_json(&m, &args);
+            assert_eq!(out["tokens"], plain, "drafter {d}, k {k}");
+            assert!(out["drafted"].as_u64().unwrap() > 0, "drafter {d}, k {k}");
+            let s = generate_json(&m, &[&args[..], &seeded[..]].concat())["tokens"].clone();
+            if d == "ngram" {
+                assert_eq!(s, plain_seeded, "ngram, k {k}, sampling");
+            } else {
+                model_seeded.push((d.to_string(), s));
+            }
+        }
+    }
+    for w in model_seeded.windows(2) {
+        if w[0].0 == w[1].0 {
+            assert_eq!(w[0].1, w[1].1, "a sampling draft model, {}", w[0].0);
+        }
+    }
+    // The same model drafting for itself proposes what greedy decoding chooses.
+    let same = generate_json(
+        &m,
+        &[
+            &prompt[..],
+            &["--draft", draft.to_str().unwrap(), "--draft-k", "4"],
+        ]
+        .concat(),
+    );
+    assert_eq!(same["accepted"], same["drafted"]);
+    let e = fails(&[
+        "generate",
+        "--model",
+        m.to_str().unwrap(),
+        "--prompt",
+        "hi",
+        "--draft",
+        "ngram+",
+    ]);
+    assert!(e.contains("ngram+MODEL"), "{e}");
+    let e = fails(&[
+        "generate",
+        "--model",
+        m.to_str().unwrap(),
+        "--prompt",
+        "hi",
+        "--draft",
+        "ngram",
+        "--draft-k",
+        "many",
+    ]);
+    assert!(e.contains("--draft-k takes a number or auto"), "{e}");
 }

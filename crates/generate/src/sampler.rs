@@ -228,8 +228,15 @@ fn pick(ids: &[u32], weights: &[f32], u: f32) -> u32 {
 /// certainty, as an n-gram does). The target's distribution `p` accepts it with probability
 /// min(1, p/q) (`accept` is the draw for that); otherwise the token comes from the
 /// normalized max(0, p − q) (with the draw `u`). The result is distributed exactly as `p`.
+///
+/// A certain proposal is accepted with probability p(draft); that test is made with the
+/// sampling draw itself (accepted exactly when `u` falls on it, the residual being the rest
+/// of `p`), so the token is the one sampling without the proposal picks.
 pub fn verify(p: &Dist, draft: u32, q: Option<&Dist>, accept: f32, u: f32) -> u32 {
-    let qd = q.map_or(1.0, |q| q.prob(draft));
+    let Some(q) = q else {
+        return p.pick(u);
+    };
+    let qd = q.prob(draft);
     let pd = p.prob(draft);
     if qd > 0.0 && accept * qd < pd {
         return draft;
@@ -238,14 +245,7 @@ pub fn verify(p: &Dist, draft: u32, q: Option<&Dist>, accept: f32, u: f32) -> u3
         .ids
         .iter()
         .zip(&p.probs)
-        .map(|(&id, &pi)| {
-            let qi = match q {
-                Some(q) => q.prob(id),
-                None if id == draft => 1.0,
-                None => 0.0,
-            };
-            (pi - qi).max(0.0)
-        })
+        .map(|(&id, &pi)| (pi - q.prob(id)).max(0.0))
         .collect();
     if residual.iter().sum::<f32>() > 0.0 {
         pick(&p.ids, &residual, u)
@@ -395,8 +395,12 @@ mod tests {
         let q = Dist::new(&pp, &q_logits).top(4);
         let n = 200_000;
         let h = histogram(n, 6, |u, a, d| verify(&p, q.pick(d), Some(&q), a, u));
-        // An n-gram's certain proposal.
-        let g = histogram(n, 6, |u, a, _| verify(&p, 3, None, a, u));
+        // An n-gram's certain proposal: the same token as plain sampling with that draw.
+        let g = histogram(n, 6, |u, a, _| {
+            let t = verify(&p, 3, None, a, u);
+            assert_eq!(t, p.pick(u));
+            t
+        });
         for (id, want) in p.ids.iter().zip(&p.probs) {
             let want = *want as f64;
             let tol = 4.0 * (want * (1.0 - want) / n as f64).sqrt() + 1e-4;

@@ -349,6 +349,88 @@ mod tests {
         assert_eq!(Tuner::new(Some(3), 10).choose(0.0), 3);
     }
 
+    /// On a tiny model: a different tiny model drafts (sampling from its top 16), the
+    /// target verifies; the tokens chosen at a position follow the target's distribution.
+    #[test]
+    fn verified_draft_model_tokens_follow_the_target_distribution() {
+        use pipeshard_generate::{verify, Lane, Sampler, TextModel};
+        use pipeshard_model::gguf::GgufFile;
+        use pipeshard_testkit::{tiny_model, Flavour};
+
+        let tmp = tempfile::tempdir().unwrap();
+        let target_path = tiny_model(tmp.path(), Flavour::Llama, 1);
+        let draft_path = tiny_model(tmp.path(), Flavour::Llama, 2);
+        let text = TextModel::from_gguf(&GgufFile::open(&target_path).unwrap().content).unwrap();
+        let target = Stage::load(&target_path, None).unwrap();
+        let draft = Stage::load(&draft_path, None).unwrap();
+        let mut drafter = Drafter::Model(Box::new(
+            DraftModel::new(draft, &text.tokenizer, &text.tokenizer, "tiny").unwrap(),
+        ));
+        let context = [259u32, 72, 101, 108, 108, 111];
+        // High temperature, so that many tokens have weight.
+        let params = SamplingParams {
+            temperature: 3.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: Some(11),
+        };
+        let batch = StepBatch {
+            seqs: vec![SeqStep {
+                seq: SeqId(1),
+                pos: 0,
+                n: context.len(),
+                logits: LogitsWanted::Last,
+            }],
+            input: StageInput::Tokens(context.to_vec()),
+        };
+        let Ok(StageOutput::Logits(l)) = target.forward(&batch, &mut KvStore::new()) else {
+            panic!("no logits");
+        };
+        let p = Dist::new(&params, l[0].row(0));
+        let draws = Sampler::new(params.clone()).unwrap();
+        let n = 20_000;
+        let mut hist: HashMap<u32, f64> = HashMap::new();
+        let mut accepted = 0;
+        let q = drafter.propose(1, &context, 1, &params, &[0.5]).remove(0).q;
+        let q = q.expect("a sampling draft model sends q");
+        assert_eq!(q.ids.len(), DRAFT_TOP_K);
+        for i in 0..n as u64 {
+            let u = draws.uniform(i, Lane::Draft);
+            // The drafter's choice is its q at its draw (checked now and then: each
+            // proposal costs a forward pass).
+            let token = q.pick(u);
+            if i % 1000 == 0 {
+                assert_eq!(
+                    drafter.propose(1, &context, 1, &params, &[u])[0].token,
+                    token
+                );
+            }
+            let (a, s) = (
+                draws.uniform(i, Lane::Accept),
+                draws.uniform(i, Lane::Sample),
+            );
+            let t = verify(&p, token, Some(&q), a, s);
+            accepted += usize::from(t == token);
+            *hist.entry(t).or_default() += 1.0 / n as f64;
+        }
+        // Every token's frequency within 4.5 standard deviations of its probability, and
+        // the total variation small.
+        let mut tv = 0.0;
+        for (id, want) in p.ids.iter().zip(&p.probs) {
+            let got = hist.get(id).copied().unwrap_or(0.0);
+            let want = *want as f64;
+            let sd = (want * (1.0 - want) / n as f64).sqrt();
+            assert!(
+                (got - want).abs() < 4.5 * sd + 1e-4,
+                "token {id}: {got} vs {want}"
+            );
+            tv += (got - want).abs() / 2.0;
+        }
+        assert!(tv < 0.05, "total variation {tv}");
+        // The draft is not the target: some proposals were rejected, some accepted.
+        assert!(accepted > 0 && accepted < n, "{accepted}");
+    }
+
     #[test]
     fn ngram_chains_are_per_position() {
         let ctx = [10, 11, 12, 13, 14, 15, 10, 11];

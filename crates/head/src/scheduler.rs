@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use pipeshard_generate::{Detokenizer, Dist, FinishReason, Lane, Sampler, StopChecker};
+use pipeshard_generate::{Detokenizer, FinishReason, Lane, Sampler, StopChecker};
 use pipeshard_stage::Worker;
 use pipeshard_wire::pb::{self, frame::Kind};
 use tokio::sync::{mpsc, watch};
@@ -366,12 +366,12 @@ impl State {
                         if proposals.iter().any(|p| p.q.is_some()) {
                             seq_step.draft_q = proposals
                                 .iter()
-                                .map(|p| {
-                                    let q = p.q.clone().unwrap_or_else(|| Dist::point(p.token));
-                                    pb::Dist {
-                                        ids: q.ids,
-                                        probs: q.probs,
-                                    }
+                                .map(|p| match &p.q {
+                                    Some(q) => pb::Dist {
+                                        ids: q.ids.clone(),
+                                        probs: q.probs.clone(),
+                                    },
+                                    None => pb::Dist::default(), // certain
                                 })
                                 .collect();
                         }
@@ -1062,7 +1062,11 @@ mod speculation_tests {
             panic!("{done:?}");
         };
         assert_eq!(
-            (usage.completion_tokens, usage.drafted_tokens, usage.accepted_tokens),
+            (
+                usage.completion_tokens,
+                usage.drafted_tokens,
+                usage.accepted_tokens
+            ),
             (4, 2, 2)
         );
     }
