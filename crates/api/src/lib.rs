@@ -168,6 +168,7 @@ fn validate(
         stops: p.stops(),
         logprobs: p.wants_logprobs(),
         ignore_eos: false,
+        draft_k: None,
     })
 }
 

@@ -22,6 +22,37 @@ pub enum BenchCommand {
     /// Several users at once through a ring of stage processes, against the unsplit model
     /// serving one user on one core.
     Throughput(ThroughputArgs),
+    /// Speculative decoding through a ring of stage processes: drafters and k against no
+    /// speculation on the same pipeline, on coding prompts.
+    Spec(SpecArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct SpecArgs {
+    /// The target: a known model name or a GGUF file.
+    #[arg(long, default_value = "qwen2.5-coder-1.5b")]
+    pub model: String,
+    /// Stages (processes; stage 0 and the drafter run in this one), layers split evenly.
+    #[arg(long, default_value_t = 2)]
+    pub stages: usize,
+    /// Explicit layer ranges instead, e.g. `0..16,16..28`.
+    #[arg(long)]
+    pub layers: Option<String>,
+    /// Drafters to measure, comma-separated (as `--draft` takes them).
+    #[arg(long, default_value = "ngram,qwen2.5-coder-0.5b")]
+    pub drafters: String,
+    /// Values of k, comma-separated; `auto` adapts.
+    #[arg(long, default_value = "0,1,2,3,4,6,8,10,auto")]
+    pub ks: String,
+    /// Tokens generated per prompt (at most; greedy, stopping at end of sequence).
+    #[arg(long, default_value_t = 96)]
+    pub gen_tokens: usize,
+    /// Pin each stage to one core: auto, on, off.
+    #[arg(long, default_value = "auto")]
+    pub pin: String,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Args, Debug)]
@@ -112,6 +143,7 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Decode(a) => decode(a),
         BenchCommand::Ring(a) => ring(a),
         BenchCommand::Throughput(a) => throughput(a),
+        BenchCommand::Spec(a) => spec(a),
     }
 }
 
@@ -231,6 +263,7 @@ async fn ring_run(
         stops: vec![],
         logprobs: false,
         ignore_eos: true,
+        draft_k: None,
     })?;
     let mut first = None;
     let mut tokens = Vec::new();
@@ -279,6 +312,7 @@ impl BenchRing {
         pin: &str,
         wire: pipeshard_wire::WireDtype,
         groups: usize,
+        draft: &crate::spec::DraftArgs,
     ) -> Result<Self> {
         let manifest = crate::serve::ensure_split(model, stages, layers)?;
         let stages = pipeshard_shard::Manifest::load(&manifest)?.stages.len();
@@ -286,15 +320,8 @@ impl BenchRing {
             bail!("the benches compare against the unsplit model: give a GGUF file or model name");
         };
         let pinned = crate::serve::pin_choice(pin, stages, 1)?;
-        let local = crate::serve::launch_local_ring(
-            &manifest,
-            1,
-            pinned,
-            wire,
-            None,
-            groups,
-            &crate::spec::DraftArgs::default(),
-        )?;
+        let local =
+            crate::serve::launch_local_ring(&manifest, 1, pinned, wire, None, groups, draft)?;
         let rt = crate::serve::runtime()?;
         let (head, children) = rt.block_on(local.start_head())?;
         Ok(Self {
@@ -343,6 +370,7 @@ fn ring(a: RingArgs) -> Result<()> {
         &a.pin,
         a.wire_dtype,
         0,
+        &crate::spec::DraftArgs::default(),
     )?;
     let (rt, head) = (bench.rt(), &bench.head);
     // Resident memory of this process with only stage 0 and the head loaded.
@@ -421,6 +449,7 @@ async fn user_run(
         stops: vec![],
         logprobs: false,
         ignore_eos: true,
+        draft_k: None,
     })?;
     let mut first = None;
     let mut n = 0;
@@ -453,6 +482,7 @@ fn throughput(a: ThroughputArgs) -> Result<()> {
         &a.pin,
         Default::default(),
         a.groups,
+        &crate::spec::DraftArgs::default(),
     )?;
     let (rt, head) = (bench.rt(), &bench.head);
     let mut s = bench.unsplit()?;
@@ -512,6 +542,129 @@ fn throughput(a: ThroughputArgs) -> Result<()> {
     let out = serde_json::json!({
         "model": a.model, "stages": bench.stages, "pinned": bench.pinned, "gen_tokens": a.gen_tokens,
         "prompt_tokens": prompt.len(), "baseline_tok_s": baseline, "runs": runs,
+    });
+    print_result(&out, a.json)
+}
+
+/// Coding prompts for `bench spec`: rewriting or extending code the prompt shows, where a
+/// coding assistant's answer repeats much of its input.
+const SPEC_PROMPTS: [&str; 3] = [
+    "Add type hints and a docstring to this function, and return the whole function:\n\n```python\ndef merge_sorted(a, b):\n    out = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n        if a[i] <= b[j]:\n            out.append(a[i])\n            i += 1\n        else:\n            out.append(b[j])\n            j += 1\n    out.extend(a[i:])\n    out.extend(b[j:])\n    return out\n```",
+    "Rename the variable `cnt` to `count` everywhere in this code and show the result:\n\n```rust\nfn histogram(words: &[&str]) -> HashMap<String, usize> {\n    let mut cnt = HashMap::new();\n    for w in words {\n        *cnt.entry(w.to_lowercase()).or_insert(0) += 1;\n    }\n    cnt.retain(|_, c| *c > 1);\n    cnt\n}\n```",
+    "Write a Python function `is_prime(n)` and a function `primes_below(n)` that uses it, with tests using assert.",
+];
+
+/// One greedy request through the ring: (seconds from first token to done, tokens, drafted,
+/// accepted).
+async fn spec_run(
+    head: &HeadHandle,
+    prompt: &[TokenId],
+    gen: usize,
+    k: Option<usize>,
+) -> Result<(f64, Vec<TokenId>, usize, usize)> {
+    let mut rx = head.submit(GenRequest {
+        prompt: prompt.to_vec(),
+        sampling: pipeshard_generate::SamplingParams::default(),
+        max_tokens: gen,
+        stops: vec![],
+        logprobs: false,
+        ignore_eos: false,
+        draft_k: k,
+    })?;
+    let mut first = None;
+    let mut tokens = Vec::new();
+    loop {
+        match rx.recv().await {
+            Some(GenEvent::Text { token, .. }) => {
+                first.get_or_insert_with(Instant::now);
+                tokens.extend(token);
+            }
+            Some(GenEvent::Done { usage, .. }) => {
+                let secs = first.context("no token")?.elapsed().as_secs_f64();
+                return Ok((secs, tokens, usage.drafted_tokens, usage.accepted_tokens));
+            }
+            Some(GenEvent::Error(e)) => bail!("a request failed: {e}"),
+            None => bail!("the head stopped"),
+        }
+    }
+}
+
+fn spec(a: SpecArgs) -> Result<()> {
+    let ks: Vec<Option<usize>> =
+        a.ks.split(',')
+            .map(|k| match k.trim() {
+                "auto" => Ok(None),
+                n => n.parse().map(Some),
+            })
+            .collect::<Result<_, _>>()
+            .context("--ks takes numbers and auto, like 0,2,4,auto")?;
+    let mut runs = Vec::new();
+    let mut baselines = Vec::new();
+    for drafter in a.drafters.split(',').map(str::trim) {
+        let draft = crate::spec::DraftArgs {
+            draft: Some(drafter.to_string()),
+            ..Default::default()
+        };
+        let bench = BenchRing::start(
+            &a.model,
+            a.stages,
+            a.layers.as_deref(),
+            &a.pin,
+            Default::default(),
+            1,
+            &draft,
+        )?;
+        let text = &bench.head.model().text;
+        let prompts: Vec<Vec<TokenId>> = SPEC_PROMPTS
+            .iter()
+            .map(|p| {
+                let chat = text.render_chat(&[pipeshard_generate::ChatMessage::new("user", p)])?;
+                Ok(text.tokenizer.encode(&chat)?)
+            })
+            .collect::<Result<_>>()?;
+        // Tokens over the decode time of all prompts, for a fixed k (or auto).
+        let measure = |k: Option<usize>| -> Result<(f64, Vec<Vec<TokenId>>, usize, usize)> {
+            let (mut secs, mut n, mut drafted, mut accepted) = (0.0, 0, 0, 0);
+            let mut all = Vec::new();
+            for p in &prompts {
+                let (s, t, d, acc) =
+                    bench
+                        .rt()
+                        .block_on(spec_run(&bench.head, p, a.gen_tokens, k))?;
+                secs += s;
+                n += t.len().saturating_sub(1);
+                drafted += d;
+                accepted += acc;
+                all.push(t);
+            }
+            Ok((n as f64 / secs.max(1e-9), all, drafted, accepted))
+        };
+        let (base, base_tokens, _, _) = measure(Some(0))?;
+        if !a.json {
+            eprintln!("{drafter}: no speculation {base:.2} tok/s");
+        }
+        baselines.push(base);
+        for &k in &ks {
+            let (tok_s, tokens, drafted, accepted) = measure(k)?;
+            let run = serde_json::json!({
+                "drafter": drafter,
+                "k": k.map_or(serde_json::json!("auto"), |k| serde_json::json!(k)),
+                "tok_s": tok_s,
+                "acceptance": if drafted > 0 { accepted as f64 / drafted as f64 } else { 0.0 },
+                "speedup": tok_s / base,
+                "baseline_tok_s": base,
+                "drafted": drafted, "accepted": accepted,
+                "tokens_identical": tokens == base_tokens,
+            });
+            if !a.json {
+                eprintln!("{run}");
+            }
+            runs.push(run);
+        }
+    }
+    let out = serde_json::json!({
+        "model": a.model, "gen_tokens": a.gen_tokens, "prompts": SPEC_PROMPTS.len(),
+        "baseline_tok_s": baselines.first().copied().unwrap_or(0.0), "runs": runs,
     });
     print_result(&out, a.json)
 }

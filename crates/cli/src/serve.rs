@@ -731,6 +731,7 @@ async fn one_request(head: &HeadHandle, prompt: &str, a: &UpArgs) -> Result<()> 
         stops: vec![],
         logprobs: false,
         ignore_eos: false,
+        draft_k: None,
     })?;
     let mut out = std::io::stdout();
     let mut all = String::new();

@@ -110,6 +110,9 @@ pub struct GenRequest {
     pub logprobs: bool,
     /// Go on past end-of-sequence tokens (benchmarks).
     pub ignore_eos: bool,
+    /// Tokens to draft per step for this request, instead of the head's choice (benchmarks;
+    /// 0: no speculation).
+    pub draft_k: Option<usize>,
 }
 
 /// Token counts of a finished request (OpenAI's `usage`).

@@ -611,14 +611,17 @@ impl State {
 /// the last fed one, so that every position it samples is verified the same way.
 fn draft(sp: &mut Speculation, id: u64, s: &mut Seq, budget: usize) -> Vec<Proposal> {
     let left = s.req.max_tokens.saturating_sub(s.generated + 1);
-    let mut k = sp.tuner.choose(s.acceptance());
-    if k == 0 && s.undrafted >= 16 {
+    let mut k = s
+        .req
+        .draft_k
+        .unwrap_or_else(|| sp.tuner.choose(s.acceptance()));
+    if k == 0 && s.undrafted >= 16 && s.req.draft_k.is_none() {
         k = 1;
     }
     let k = k.min(left).min(budget - 1);
     let sampling = s.req.sampling.temperature > 0.0;
     let want = k + usize::from(sampling);
-    if k == 0 && !sampling {
+    if k == 0 && (!sampling || s.req.draft_k == Some(0)) {
         s.undrafted += 1;
         return vec![];
     }
@@ -755,6 +758,7 @@ mod tests_support {
             stops: vec![],
             logprobs: false,
             ignore_eos: false,
+            draft_k: None,
         }
     }
 
