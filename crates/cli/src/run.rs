@@ -7,7 +7,7 @@ use pipeshard_generate::{
     choose_rows, sample_with, ChatMessage, ChatTemplate, Detokenizer, FinishReason, Lane, Sampler,
     SamplingParams, StopChecker, TextModel, Tokenizer,
 };
-use pipeshard_head::draft::{Drafter, Tuner};
+use pipeshard_head::draft::{Acceptance, Drafter, Tuner};
 use pipeshard_model::gguf::GgufFile;
 use pipeshard_model::{LocalPipeline, LogitsWanted, SeqId, SeqLogits, SeqStep, TokenId};
 use pipeshard_shard::ModelSource;
@@ -164,8 +164,8 @@ pub fn generate(
     let mut detok = Detokenizer::new();
     let mut context = req.prompt_ids.clone();
     let mut tokens = Vec::new();
-    let (mut steps, mut drafted, mut accepted) = (0usize, 0usize, 0usize);
-    let mut acceptance = (0.0f64, 0.0f64); // decayed (accepted, verified)
+    let mut steps = 0usize;
+    let mut acceptance = Acceptance::default();
     let finish = 'outer: loop {
         if max_tokens == 0 {
             break FinishReason::Length;
@@ -190,8 +190,10 @@ pub fn generate(
         let g = tokens.len() as u64;
         let proposals = match &mut spec {
             Some(sp) => {
-                let alpha = (acceptance.0 + 1.0) / (acceptance.1 + 2.0);
-                let k = sp.tuner.choose(alpha).min(max_tokens - tokens.len() - 1);
+                let k = sp
+                    .tuner
+                    .choose(acceptance.rate())
+                    .min(max_tokens - tokens.len() - 1);
                 let want = k + usize::from(sampling);
                 let u: Vec<f32> = (0..want as u64)
                     .map(|i| draws.uniform(g + i, Lane::Draft))
@@ -245,16 +247,7 @@ pub fn generate(
             &uniforms,
             &accept,
         );
-        let hits = chosen.iter().zip(&ids).filter(|(a, b)| a == b).count();
-        let verified = ids.len().min(chosen.len());
-        drafted += ids.len();
-        accepted += hits;
-        if verified > 0 {
-            acceptance = (
-                0.8 * acceptance.0 + hits as f64,
-                0.8 * acceptance.1 + verified as f64,
-            );
-        }
+        acceptance.observe(&ids, &chosen);
         steps += 1;
     };
     let decode_s = t1.elapsed().as_secs_f64();
@@ -270,8 +263,8 @@ pub fn generate(
     Ok(GenOutput {
         text: stop.text().to_string(),
         generated_steps: steps,
-        drafted,
-        accepted,
+        drafted: acceptance.drafted,
+        accepted: acceptance.accepted,
         tokens,
         prompt_ids: req.prompt_ids.clone(),
         finish_reason: finish,

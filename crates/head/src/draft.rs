@@ -230,6 +230,38 @@ impl Drafter {
     }
 }
 
+/// A sequence's record of its proposals: totals (for usage reports) and a decayed estimate
+/// of the probability that a proposal is accepted (for the tuner).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Acceptance {
+    /// Proposals sent.
+    pub drafted: usize,
+    /// Proposals accepted.
+    pub accepted: usize,
+    /// Decayed counts of proposals verified and accepted.
+    verified_ema: f64,
+    accepted_ema: f64,
+}
+
+impl Acceptance {
+    /// Records a step's `proposals` and the `tokens` the target returned for them.
+    pub fn observe(&mut self, proposals: &[u32], tokens: &[u32]) {
+        let verified = proposals.len().min(tokens.len());
+        let hits = tokens.iter().zip(proposals).filter(|(t, p)| t == p).count();
+        self.drafted += proposals.len();
+        self.accepted += hits;
+        if verified > 0 {
+            self.verified_ema = 0.8 * self.verified_ema + verified as f64;
+            self.accepted_ema = 0.8 * self.accepted_ema + hits as f64;
+        }
+    }
+
+    /// Probability that a proposal is accepted, estimated (0.5 before any).
+    pub fn rate(&self) -> f64 {
+        (self.accepted_ema + 1.0) / (self.verified_ema + 2.0)
+    }
+}
+
 /// Chooses how many tokens to draft for a sequence: the `k` that maximizes expected tokens
 /// per unit of time, from the sequence's acceptance rate, the measured cost of a step as a
 /// function of its rows (a decayed least-squares line) and the measured cost of drafting.

@@ -17,7 +17,7 @@ use pipeshard_stage::Worker;
 use pipeshard_wire::pb::{self, frame::Kind};
 use tokio::sync::{mpsc, watch};
 
-use crate::draft::{Drafter, Proposal, Tuner};
+use crate::draft::{Acceptance, Drafter, Proposal, Tuner};
 use crate::{GenEvent, GenRequest, HeadConfig, RingStatus, ServedModel, Usage};
 
 /// KV bytes a request needs on each stage (`budgets`: per stage, budget and bytes per
@@ -65,21 +65,10 @@ struct Seq {
     stage_us: Vec<u64>,
     /// The prompt and every token chosen since (the drafters' context).
     context: Vec<u32>,
-    /// Proposals sent and accepted (for the usage report).
-    drafted: usize,
-    accepted: usize,
-    /// Decayed counts of proposals verified and accepted (the acceptance rate).
-    verified_ema: f64,
-    accepted_ema: f64,
+    /// Its proposals, sent and accepted.
+    acceptance: Acceptance,
     /// Steps since it last drafted (to try drafting again after a while).
     undrafted: usize,
-}
-
-impl Seq {
-    /// Probability that a proposal is accepted, estimated (0.5 before any).
-    fn acceptance(&self) -> f64 {
-        (self.accepted_ema + 1.0) / (self.verified_ema + 2.0)
-    }
 }
 
 /// A sequence's part of a step in the ring.
@@ -236,10 +225,7 @@ impl State {
             Seq {
                 group,
                 context: req.prompt.clone(),
-                drafted: 0,
-                accepted: 0,
-                verified_ema: 0.0,
-                accepted_ema: 0.0,
+                acceptance: Acceptance::default(),
                 undrafted: 0,
                 req,
                 events,
@@ -483,18 +469,7 @@ impl State {
                 Some(_) => 1 + accepted,
                 None => fed.n, // the prompt's last chunk
             };
-            let verified = fed.proposals.len().min(tokens.len());
-            let hits = tokens
-                .iter()
-                .zip(&fed.proposals)
-                .filter(|(t, p)| t == p)
-                .count();
-            s.drafted += fed.proposals.len();
-            s.accepted += hits;
-            if verified > 0 {
-                s.verified_ema = 0.8 * s.verified_ema + verified as f64;
-                s.accepted_ema = 0.8 * s.accepted_ema + hits as f64;
-            }
+            s.acceptance.observe(&fed.proposals, tokens);
             let logprobs = out.map_or(&[][..], |o| &o.logprobs[..]);
             let mut finish = None;
             for (i, &token) in tokens.iter().enumerate() {
@@ -506,11 +481,11 @@ impl State {
             if let Some(finish) = finish {
                 let s = &self.seqs[&id];
                 let prompt_tokens = s.req.prompt.len();
-                if s.drafted > 0 {
+                if s.acceptance.drafted > 0 {
                     tracing::info!(
                         seq = id,
-                        drafted = s.drafted,
-                        accepted = s.accepted,
+                        drafted = s.acceptance.drafted,
+                        accepted = s.acceptance.accepted,
                         generated = s.generated,
                         "speculation"
                     );
@@ -521,8 +496,8 @@ impl State {
                         prompt_tokens,
                         completion_tokens: s.generated,
                         total_tokens: prompt_tokens + s.generated,
-                        drafted_tokens: s.drafted,
-                        accepted_tokens: s.accepted,
+                        drafted_tokens: s.acceptance.drafted,
+                        accepted_tokens: s.acceptance.accepted,
                     },
                     stage_compute_us: s.stage_us.clone(),
                 });
@@ -614,7 +589,7 @@ fn draft(sp: &mut Speculation, id: u64, s: &mut Seq, budget: usize) -> Vec<Propo
     let mut k = s
         .req
         .draft_k
-        .unwrap_or_else(|| sp.tuner.choose(s.acceptance()));
+        .unwrap_or_else(|| sp.tuner.choose(s.acceptance.rate()));
     if k == 0 && s.undrafted >= 16 && s.req.draft_k.is_none() {
         k = 1;
     }
