@@ -7,15 +7,13 @@
 //! the weights.) Threads split the output rows; every element is computed by one thread with
 //! the same code, so thread count does not change results either.
 
-use candle_core::quantized::k_quants::{
-    BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ5K, BlockQ5_1, BlockQ6K,
-};
+use candle_core::quantized::k_quants::{BlockQ2K, BlockQ3K, BlockQ4_0, BlockQ5K, BlockQ5_1};
 use candle_core::quantized::{GgmlDType, GgmlType};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
 use crate::error::ModelError;
-use crate::kernels::{self, Format, Isa, QuantRow};
+use crate::kernels::{self, Format, Isa, QuantK, QuantRow};
 
 /// A `[rows, cols]` weight matrix in its storage format.
 pub struct QWeight {
@@ -68,25 +66,47 @@ struct Own {
 
 impl RowKernel for Own {
     fn matmul(&self, rows: usize, cols: usize, xs: &[f32], n: usize, out: &mut [f32], isa: Isa) {
-        let qx: Vec<QuantRow> = xs.chunks_exact(cols).map(QuantRow::quantize).collect();
-        if rayon::current_num_threads() <= 1 || rows < 2 * ROWS_PER_TASK {
-            kernels::matmul(self.fmt, &self.data, rows, cols, &qx, out, isa);
+        // Activations quantized once for all weight rows, the way the format's kernel wants.
+        enum Acts {
+            Groups(Vec<QuantRow>),
+            K(Vec<QuantK>),
+        }
+        let acts = if self.fmt.is_k() {
+            Acts::K(xs.chunks_exact(cols).map(QuantK::quantize).collect())
+        } else {
+            Acts::Groups(xs.chunks_exact(cols).map(QuantRow::quantize).collect())
+        };
+        let rows_major = |first_row: usize, chunk: &mut [f32]| {
+            let (fmt, data) = (self.fmt, &self.data[..]);
+            match &acts {
+                Acts::Groups(q) => {
+                    kernels::matmul_rows_major(fmt, data, first_row, cols, q, chunk, isa)
+                }
+                Acts::K(q) => {
+                    kernels::kquant::matmul_rows_major(fmt, data, first_row, cols, q, chunk, isa)
+                }
+            }
+        };
+        if n == 1 {
+            // Weight-row-major and token-major are the same layout.
+            if rayon::current_num_threads() <= 1 || rows < 2 * ROWS_PER_TASK {
+                rows_major(0, out);
+            } else {
+                out.par_chunks_mut(ROWS_PER_TASK)
+                    .enumerate()
+                    .for_each(|(c, chunk)| rows_major(c * ROWS_PER_TASK, chunk));
+            }
             return;
         }
+        // Weight-row-major scratch so each task owns a contiguous slice; transposed after.
         let mut tmp = vec![0f32; rows * n];
-        tmp.par_chunks_mut(ROWS_PER_TASK * n)
-            .enumerate()
-            .for_each(|(c, chunk)| {
-                kernels::matmul_rows_major(
-                    self.fmt,
-                    &self.data,
-                    c * ROWS_PER_TASK,
-                    cols,
-                    &qx,
-                    chunk,
-                    isa,
-                )
-            });
+        if rayon::current_num_threads() <= 1 || rows < 2 * ROWS_PER_TASK {
+            rows_major(0, &mut tmp);
+        } else {
+            tmp.par_chunks_mut(ROWS_PER_TASK * n)
+                .enumerate()
+                .for_each(|(c, chunk)| rows_major(c * ROWS_PER_TASK, chunk));
+        }
         for r in 0..rows {
             for i in 0..n {
                 out[i * rows + r] = tmp[r * n + i];
@@ -206,17 +226,17 @@ impl QWeight {
         let own = |fmt: Format, fill: F| -> Result<Box<dyn RowKernel>, ModelError> {
             let mut data = vec![0u8; nbytes];
             fill(&mut data)?;
+            if fmt.block_bytes() != fmt.gguf_block_bytes() {
+                data = fmt.repack(&data);
+            }
             Ok(Box::new(Own { fmt, data }))
         };
         let blocks = match dtype {
             GgmlDType::Q8_0 => own(Format::Q8_0, fill)?,
             GgmlDType::Q4_1 => own(Format::Q4_1, fill)?,
             GgmlDType::Q5_0 => own(Format::Q5_0, fill)?,
-            // Q4_K / Q6_K: our kernels exist (kernels::formats, tested) but are slower than
-            // candle's per-row vec_dot at batch 1 for now (1.5B decode 4.0 vs 6.3 tok/s), so
-            // these formats stay on candle's until the K-format pass combines in integers.
-            GgmlDType::Q4K => b::<BlockQ4K>(nbytes, fill)?,
-            GgmlDType::Q6K => b::<BlockQ6K>(nbytes, fill)?,
+            GgmlDType::Q4K => own(Format::Q4K, fill)?,
+            GgmlDType::Q6K => own(Format::Q6K, fill)?,
             GgmlDType::F32 => b::<f32>(nbytes, fill)?,
             GgmlDType::F16 => b::<f16>(nbytes, fill)?,
             GgmlDType::BF16 => b::<bf16>(nbytes, fill)?,
@@ -281,7 +301,7 @@ impl QWeight {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::quantized::k_quants::{BlockQ4_1, BlockQ5_0, BlockQ8_0};
+    use candle_core::quantized::k_quants::{BlockQ4K, BlockQ4_1, BlockQ5_0, BlockQ6K, BlockQ8_0};
 
     fn quantize<T: GgmlType + 'static>(vals: &[f32]) -> Vec<u8> {
         let mut blocks = vec![T::zeros(); vals.len() / T::BLCK_SIZE];
@@ -396,57 +416,6 @@ mod tests {
                         one[r]
                     );
                 }
-            }
-        }
-    }
-
-    #[test]
-    fn k_format_kernels_are_exact_and_close() {
-        // Q4_K / Q6_K through our kernels directly (not yet routed by QWeight).
-        let (rows, cols) = (20, 512);
-        let mut s = 3;
-        let w: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut s)).collect();
-        let xs: Vec<f32> = (0..5 * cols).map(|_| lcg(&mut s)).collect();
-        let qx: Vec<QuantRow> = xs.chunks_exact(cols).map(QuantRow::quantize).collect();
-        for (dtype, bytes, deq) in cases(&w, rows * cols).into_iter().take(2) {
-            let fmt = if dtype == GgmlDType::Q4K {
-                Format::Q4K
-            } else {
-                Format::Q6K
-            };
-            let mut row = vec![0f32; cols];
-            fmt.dequantize_row(&bytes[fmt.row_bytes(cols)..], cols, &mut row);
-            for (a, b) in row.iter().zip(&deq[cols..2 * cols]) {
-                assert!(
-                    (a - b).abs() <= 1e-5 * b.abs().max(1.0),
-                    "{dtype:?} dequant {a} vs {b}"
-                );
-            }
-            let run = |xs: &[QuantRow], isa| {
-                let mut out = vec![0f32; xs.len() * rows];
-                kernels::matmul(fmt, &bytes, rows, cols, xs, &mut out, isa);
-                out.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
-            };
-            let all = run(&qx, Isa::detect());
-            assert_eq!(all, run(&qx, Isa::Scalar), "{dtype:?} SIMD equals scalar");
-            for i in 0..5 {
-                // One row alone takes the fused path: same bits.
-                assert_eq!(
-                    run(&qx[i..i + 1], Isa::detect()),
-                    all[i * rows..(i + 1) * rows],
-                    "{dtype:?} row {i}"
-                );
-                let exact: f32 = deq[..cols]
-                    .iter()
-                    .zip(&xs[i * cols..])
-                    .map(|(a, b)| a * b)
-                    .sum();
-                let got = f32::from_bits(all[i * rows]);
-                let norm: f32 = deq[..cols].iter().map(|a| a.abs()).sum::<f32>() * 0.5;
-                assert!(
-                    (exact - got).abs() < 0.01 * norm,
-                    "{dtype:?} {exact} vs {got}"
-                );
             }
         }
     }

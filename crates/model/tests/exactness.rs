@@ -9,7 +9,7 @@ use pipeshard_model::{
     LayerRange, LocalPipeline, LogitsWanted, SeqId, SeqLogits, SeqStep, Stage, StageInput,
     StageOutput, StepBatch, TokenId,
 };
-use pipeshard_testkit::{tiny_model, Flavour, VOCAB};
+use pipeshard_testkit::{tiny_k_model, tiny_model, Flavour, VOCAB};
 use proptest::prelude::*;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -154,9 +154,15 @@ fn models() -> &'static [(Flavour, PathBuf)] {
         std::sync::OnceLock::new();
     &M.get_or_init(|| {
         let dir = tempfile::tempdir().unwrap();
+        // Each flavour as written, and with its MLP's down projection in Q4_K / Q6_K.
         let v = [Flavour::Llama, Flavour::Qwen2]
             .into_iter()
-            .map(|f| (f, tiny_model(dir.path(), f, 11)))
+            .flat_map(|f| {
+                [
+                    (f, tiny_model(dir.path(), f, 11)),
+                    (f, tiny_k_model(dir.path(), f, 11)),
+                ]
+            })
             .collect();
         (dir, v)
     })

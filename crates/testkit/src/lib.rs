@@ -33,6 +33,9 @@ pub struct TinySpec {
     pub arch_name: Option<String>,
     /// Type of the attention weights instead of the flavour's (to test refusal).
     pub attn_dtype: Option<GgmlDType>,
+    /// A wider MLP whose down projection is in a K format (Q4_K for llama, Q6_K for qwen2),
+    /// so the super-block kernels run in the model (their rows must be 256-multiples).
+    pub k_quants: bool,
 }
 
 impl TinySpec {
@@ -45,13 +48,13 @@ impl TinySpec {
             ctx_len: 256,
             arch_name: None,
             attn_dtype: None,
+            k_quants: false,
         }
     }
 }
 
 /// Hidden size of tiny models.
 pub const HIDDEN: usize = 64;
-const FFN: usize = 128;
 const HEADS: usize = 4;
 const KV_HEADS: usize = 2;
 
@@ -112,10 +115,15 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> candle_core::Result<()> 
         Flavour::Qwen2 => (GgmlDType::Q5_0, GgmlDType::F16),
     };
     let wmain = spec.attn_dtype.unwrap_or(wmain);
+    let (ffn, wdown) = match (spec.k_quants, spec.flavour) {
+        (false, _) => (128, GgmlDType::Q8_0),
+        (true, Flavour::Llama) => (512, GgmlDType::Q4K),
+        (true, Flavour::Qwen2) => (512, GgmlDType::Q6K),
+    };
     let arch = spec.arch_name.as_deref().unwrap_or(arch);
     let kv = HIDDEN / HEADS * KV_HEADS;
     let s_in = 1.7 / (HIDDEN as f32).sqrt();
-    let s_ffn = 1.7 / (FFN as f32).sqrt();
+    let s_ffn = 1.7 / (ffn as f32).sqrt();
     let mut tensors: Vec<(String, QTensor)> = Vec::new();
     tensors.push((
         "token_embd.weight".into(),
@@ -157,15 +165,15 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> candle_core::Result<()> 
         tensors.push((n("ffn_norm.weight"), norm(&mut rng, HIDDEN)));
         tensors.push((
             n("ffn_gate.weight"),
-            tensor(&mut rng, FFN, HIDDEN, s_in, wffn),
+            tensor(&mut rng, ffn, HIDDEN, s_in, wffn),
         ));
         tensors.push((
             n("ffn_up.weight"),
-            tensor(&mut rng, FFN, HIDDEN, s_in, wffn),
+            tensor(&mut rng, ffn, HIDDEN, s_in, wffn),
         ));
         tensors.push((
             n("ffn_down.weight"),
-            tensor(&mut rng, HIDDEN, FFN, s_ffn, GgmlDType::Q8_0),
+            tensor(&mut rng, HIDDEN, ffn, s_ffn, wdown),
         ));
     }
     tensors.push(("output_norm.weight".into(), norm(&mut rng, HIDDEN)));
@@ -189,7 +197,7 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> candle_core::Result<()> 
         ("general.name".into(), Value::String(format!("tiny-{arch}"))),
         (p("block_count"), u32v(spec.n_layers)),
         (p("embedding_length"), u32v(HIDDEN)),
-        (p("feed_forward_length"), u32v(FFN)),
+        (p("feed_forward_length"), u32v(ffn)),
         (p("attention.head_count"), u32v(HEADS)),
         (p("attention.head_count_kv"), u32v(KV_HEADS)),
         (p("attention.layer_norm_rms_epsilon"), Value::F32(1e-5)),
@@ -244,5 +252,17 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> candle_core::Result<()> 
 pub fn tiny_model(dir: &Path, flavour: Flavour, seed: u64) -> PathBuf {
     let path = dir.join(format!("tiny-{flavour:?}-{seed}.gguf").to_lowercase());
     write_tiny_gguf(&path, &TinySpec::new(flavour, seed)).expect("writing tiny model");
+    path
+}
+
+/// Like [`tiny_model`], with the MLP's down projection in a K format (see
+/// [`TinySpec::k_quants`]).
+pub fn tiny_k_model(dir: &Path, flavour: Flavour, seed: u64) -> PathBuf {
+    let path = dir.join(format!("tiny-k-{flavour:?}-{seed}.gguf").to_lowercase());
+    let spec = TinySpec {
+        k_quants: true,
+        ..TinySpec::new(flavour, seed)
+    };
+    write_tiny_gguf(&path, &spec).expect("writing tiny model");
     path
 }

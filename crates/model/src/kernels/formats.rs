@@ -1,5 +1,6 @@
-//! Unpacking each GGUF block format into integers plus per-group scale and offset
-//! (`weight = ws * u + wm`), read straight from the GGUF bytes (little-endian).
+//! Unpacking each block format into integers plus per-group scale and offset
+//! (`weight = ws * u + wm`), read from the bytes as held in memory (little-endian): the GGUF
+//! blocks themselves, except Q4_K, which is repacked on load ([`Format::repack`]).
 
 use half::f16;
 
@@ -15,6 +16,8 @@ pub enum Format {
     /// 32 elements: f16 scale, 32 × 5 bits (value − 16).
     Q5_0,
     /// 256 elements: f16 scale and min, eight 6-bit sub-scales and mins, 256 × 4 bits.
+    /// Held repacked (148 bytes): scale, min, the eight sub-scales and eight sub-mins one byte
+    /// each, then the 128 bytes of 4-bit values as in GGUF.
     Q4K,
     /// 256 elements: 256 × 6 bits (value − 32), sixteen i8 sub-scales, f16 scale.
     Q6K,
@@ -39,9 +42,34 @@ impl Format {
             Format::Q8_0 => 34,
             Format::Q4_1 => 20,
             Format::Q5_0 => 22,
-            Format::Q4K => 144,
+            Format::Q4K => 148,
             Format::Q6K => 210,
         }
+    }
+
+    /// Bytes per block in a GGUF file.
+    pub fn gguf_block_bytes(self) -> usize {
+        match self {
+            Format::Q4K => 144,
+            other => other.block_bytes(),
+        }
+    }
+
+    /// Turns GGUF blocks into the layout held in memory (a copy for most formats). Q4_K's
+    /// packed 6-bit sub-scales become one byte each, so the kernels load them directly.
+    pub fn repack(self, gguf: &[u8]) -> Vec<u8> {
+        if self != Format::Q4K {
+            return gguf.to_vec();
+        }
+        let mut out = Vec::with_capacity(gguf.len() / 144 * 148);
+        for b in gguf.chunks_exact(144) {
+            let (s, m) = super::kquant::q4k_scales(b);
+            out.extend_from_slice(&b[..4]);
+            out.extend_from_slice(&super::kquant::bytes8(s));
+            out.extend_from_slice(&super::kquant::bytes8(m));
+            out.extend_from_slice(&b[16..]);
+        }
+        out
     }
 
     /// Bytes of a row of `cols` elements.
@@ -59,30 +87,14 @@ impl Format {
         match isa {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `Avx2` is chosen only on CPUs with AVX2.
-            Isa::Avx2 => unsafe { unpack_avx2::<true>(self, bytes, w) },
-            _ => unpack::<true>(self, bytes, w, h),
+            Isa::Avx2 => unsafe { unpack_avx2(self, bytes, w) },
+            _ => unpack(self, bytes, w, h),
         }
     }
 
-    /// Whether the fused AVX2 integer pass (reading blocks directly) handles this format.
-    pub fn has_fused(self) -> bool {
+    /// Whether this is a 256-element super-block format (kernels in [`super::kquant`]).
+    pub fn is_k(self) -> bool {
         matches!(self, Format::Q4K | Format::Q6K)
-    }
-
-    /// Only the per-group scales and offsets of a row (for the fused integer pass; the
-    /// integers stay packed).
-    pub fn unpack_scales(self, bytes: &[u8], cols: usize, w: &mut UnpackedRow, isa: Isa) {
-        // `u` is sized (the block loop walks it) but left unwritten.
-        w.u.resize(cols, 0);
-        w.ws.resize(cols / GROUP, 0.0);
-        w.wm.resize(cols / GROUP, 0.0);
-        w.signed = self == Format::Q8_0;
-        match isa {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: `Avx2` is chosen only on CPUs with AVX2.
-            Isa::Avx2 => unsafe { unpack_avx2::<false>(self, bytes, w) },
-            _ => unpack::<false>(self, bytes, w, h),
-        }
     }
 
     /// Dequantizes one row into `out[..cols]`.
@@ -103,14 +115,14 @@ impl Format {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,f16c")]
-unsafe fn unpack_avx2<const U: bool>(fmt: Format, bytes: &[u8], w: &mut UnpackedRow) {
+unsafe fn unpack_avx2(fmt: Format, bytes: &[u8], w: &mut UnpackedRow) {
     use std::arch::x86_64::{_mm_cvtph_ps, _mm_cvtsi32_si128, _mm_cvtss_f32};
     // f16 -> f32 is exact in every implementation; the F16C instruction is just faster.
     let cvt = |b: &[u8], at: usize| {
         let bits = u16::from_le_bytes([b[at], b[at + 1]]) as i32;
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)))
     };
-    unpack::<U>(fmt, bytes, w, cvt)
+    unpack(fmt, bytes, w, cvt)
 }
 
 const LOW4: u64 = 0x0F0F_0F0F_0F0F_0F0F;
@@ -144,12 +156,7 @@ const SPREAD: [u64; 256] = {
 
 /// The unpacking loops, on 64-bit words (eight elements at a time; byte-exact).
 #[inline(always)]
-fn unpack<const U: bool>(
-    fmt: Format,
-    bytes: &[u8],
-    w: &mut UnpackedRow,
-    h: impl Fn(&[u8], usize) -> f32,
-) {
+fn unpack(fmt: Format, bytes: &[u8], w: &mut UnpackedRow, h: impl Fn(&[u8], usize) -> f32) {
     let (be, bb) = (fmt.block_elems(), fmt.block_bytes());
     let groups = be / GROUP;
     let blocks = bytes.chunks_exact(bb).zip(w.u.chunks_exact_mut(be)).zip(
@@ -195,24 +202,14 @@ fn unpack<const U: bool>(
         Format::Q4K => {
             for ((b, u), (ws, wm)) in blocks {
                 let (d, dmin) = (h(b, 0), h(b, 2));
-                let sc = &b[4..16];
+                let (s, m) = (&b[4..12], &b[12..20]);
                 for j in 0..8 {
-                    let (s, m) = if j < 4 {
-                        (sc[j] & 63, sc[j + 4] & 63)
-                    } else {
-                        (
-                            (sc[j + 4] & 0x0F) | ((sc[j - 4] >> 6) << 4),
-                            (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4),
-                        )
-                    };
-                    ws[2 * j] = d * s as f32;
-                    ws[2 * j + 1] = d * s as f32;
-                    wm[2 * j] = -(dmin * m as f32);
-                    wm[2 * j + 1] = -(dmin * m as f32);
+                    ws[2 * j..2 * j + 2].fill(d * s[j] as f32);
+                    wm[2 * j..2 * j + 2].fill(-(dmin * m[j] as f32));
                 }
-                for c in 0..4 * usize::from(U) {
+                for c in 0..4 {
                     for k in 0..4 {
-                        let q = word(b, 16 + 32 * c + 8 * k);
+                        let q = word(b, 20 + 32 * c + 8 * k);
                         put(u, 64 * c + 8 * k, q & LOW4);
                         put(u, 64 * c + 32 + 8 * k, (q >> 4) & LOW4);
                     }
@@ -222,7 +219,7 @@ fn unpack<const U: bool>(
         Format::Q6K => {
             for ((b, u), (ws, wm)) in blocks {
                 let d = h(b, 208);
-                for half in 0..2 * usize::from(U) {
+                for half in 0..2 {
                     for k in 0..4 {
                         let l = 8 * k;
                         let ql0 = word(b, half * 64 + l);

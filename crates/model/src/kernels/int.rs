@@ -61,15 +61,6 @@ pub fn scalar(u: &[u8], x: &[i8], signed: bool, g: &mut [i32]) {
     }
 }
 
-/// The integer pass straight from packed blocks (Q4_K, Q6_K), without unpacking: the same
-/// integers as unpacking then [`group_dots`]. AVX2 only; callers check [`Isa::Avx2`].
-#[cfg(target_arch = "x86_64")]
-pub fn fused_group_dots(fmt: super::Format, bytes: &[u8], x: &[i8], g: &mut [i32]) {
-    assert_eq!(Isa::detect(), Isa::Avx2, "fused kernels need AVX2");
-    // SAFETY: AVX2 checked above; `bytes` holds whole blocks for `x.len()` elements.
-    unsafe { avx2::fused(fmt, bytes, x, g) }
-}
-
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
@@ -106,86 +97,6 @@ mod avx2 {
             _mm256_maddubs_epi16(w, a)
         };
         _mm256_madd_epi16(p, _mm256_set1_epi16(1))
-    }
-
-    /// Fused Q4_K / Q6_K integer pass.
-    ///
-    /// # Safety
-    /// AVX2; `bytes` holds `x.len() / 256` blocks; `g` has `x.len() / 16` entries.
-    #[target_feature(enable = "avx2")]
-    pub unsafe fn fused(fmt: crate::kernels::Format, bytes: &[u8], x: &[i8], g: &mut [i32]) {
-        use crate::kernels::Format;
-        let nb = x.len() / 256;
-        assert!(g.len() >= nb * 16 && bytes.len() >= nb * fmt.block_bytes());
-        let m4 = _mm256_set1_epi8(0x0F);
-        let m2 = _mm256_set1_epi8(0x03);
-        for blk in 0..nb {
-            // SAFETY: the assert above bounds every block, activation and output access.
-            unsafe {
-                let b = bytes.as_ptr().add(blk * fmt.block_bytes());
-                let xp = x.as_ptr().add(blk * 256);
-                let gp = g.as_mut_ptr().add(blk * 16);
-                let ld = |p: *const u8| _mm256_loadu_si256(p as *const __m256i);
-                let dot = |u: __m256i, at: usize| {
-                    let a = _mm256_loadu_si256(xp.add(at) as *const __m256i);
-                    _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), _mm256_set1_epi16(1))
-                };
-                match fmt {
-                    Format::Q4K => {
-                        for pair in 0..2 {
-                            let mut r = [_mm256_setzero_si256(); 4];
-                            for k in 0..2 {
-                                let c = 2 * pair + k;
-                                let v = ld(b.add(16 + 32 * c));
-                                let lo = _mm256_and_si256(v, m4);
-                                let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                                r[2 * k] = dot(lo, 64 * c);
-                                r[2 * k + 1] = dot(hi, 64 * c + 32);
-                            }
-                            _mm256_storeu_si256(
-                                gp.add(8 * pair) as *mut __m256i,
-                                reduce4(r[0], r[1], r[2], r[3]),
-                            );
-                        }
-                    }
-                    Format::Q6K => {
-                        for half in 0..2 {
-                            let ql0 = ld(b.add(half * 64));
-                            let ql1 = ld(b.add(half * 64 + 32));
-                            let qh = ld(b.add(128 + half * 32));
-                            let hb = |s: i32| {
-                                let sh = match s {
-                                    0 => qh,
-                                    2 => _mm256_srli_epi16(qh, 2),
-                                    4 => _mm256_srli_epi16(qh, 4),
-                                    _ => _mm256_srli_epi16(qh, 6),
-                                };
-                                _mm256_slli_epi16(_mm256_and_si256(sh, m2), 4)
-                            };
-                            let u0 = _mm256_or_si256(_mm256_and_si256(ql0, m4), hb(0));
-                            let u1 = _mm256_or_si256(_mm256_and_si256(ql1, m4), hb(2));
-                            let u2 = _mm256_or_si256(
-                                _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
-                                hb(4),
-                            );
-                            let u3 = _mm256_or_si256(
-                                _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                                hb(6),
-                            );
-                            let o = half * 128;
-                            let r = reduce4(
-                                dot(u0, o),
-                                dot(u1, o + 32),
-                                dot(u2, o + 64),
-                                dot(u3, o + 96),
-                            );
-                            _mm256_storeu_si256(gp.add(8 * half) as *mut __m256i, r);
-                        }
-                    }
-                    _ => unreachable!("fused kernels exist for Q4_K and Q6_K only"),
-                }
-            }
-        }
     }
 
     /// AVX2 version of [`super::scalar`].

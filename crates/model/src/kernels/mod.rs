@@ -16,9 +16,11 @@
 
 pub mod formats;
 mod int;
+pub mod kquant;
 
 pub use formats::Format;
 pub use int::Isa;
+pub use kquant::QuantK;
 
 /// Elements per group.
 pub const GROUP: usize = 16;
@@ -111,32 +113,8 @@ fn combine_lanes(w: &UnpackedRow, x: &QuantRow, g: &[i32]) -> f32 {
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
 }
 
-/// `out[i * rows + r] = W[r] · xs[i]` for a weight of `rows` rows in format `fmt`.
-pub fn matmul(
-    fmt: Format,
-    data: &[u8],
-    rows: usize,
-    cols: usize,
-    xs: &[QuantRow],
-    out: &mut [f32],
-    isa: Isa,
-) {
-    let n = xs.len();
-    let mut tmp = vec![0f32; rows * n];
-    matmul_rows_major(fmt, data, 0, cols, xs, &mut tmp, isa);
-    for r in 0..rows {
-        for i in 0..n {
-            out[i * rows + r] = tmp[r * n + i];
-        }
-    }
-}
-
-/// Up to this many activation rows, formats with a fused integer pass read the packed blocks
-/// once per row instead of unpacking the weight row first (same integers either way).
-const FUSED_MAX_ROWS: usize = 2;
-
-/// Like [`matmul`], but writes `[rows, n]` (weight-row-major) into `out`, for callers that split
-/// rows across threads.
+/// `out[k * xs.len() + i] = W[first_row + k] · xs[i]` for the rows `out` covers (weight-row-major,
+/// so callers can split rows across threads).
 pub fn matmul_rows_major(
     fmt: Format,
     data: &[u8],
@@ -150,22 +128,11 @@ pub fn matmul_rows_major(
     let n = xs.len();
     let mut w = UnpackedRow::default();
     let mut g = vec![0i32; cols / GROUP];
-    let fused = isa == Isa::Avx2 && fmt.has_fused() && n <= FUSED_MAX_ROWS;
     for (k, dst) in out.chunks_mut(n).enumerate() {
         let r = first_row + k;
-        let bytes = &data[r * row_bytes..(r + 1) * row_bytes];
-        if fused {
-            fmt.unpack_scales(bytes, cols, &mut w, isa);
-        } else {
-            fmt.unpack_row(bytes, cols, &mut w, isa);
-        }
+        fmt.unpack_row(&data[r * row_bytes..(r + 1) * row_bytes], cols, &mut w, isa);
         for (x, d) in xs.iter().zip(dst.iter_mut()) {
-            if fused {
-                #[cfg(target_arch = "x86_64")]
-                int::fused_group_dots(fmt, bytes, &x.q, &mut g);
-            } else {
-                int::group_dots(isa, &w.u, &x.q, w.signed, &mut g);
-            }
+            int::group_dots(isa, &w.u, &x.q, w.signed, &mut g);
             *d = combine(&w, x, &g, isa);
         }
     }
