@@ -133,6 +133,10 @@ pub struct DecodeArgs {
     /// Runs; the median is reported.
     #[arg(long, default_value_t = 5)]
     pub runs: usize,
+    /// Rows of the verification step measured against a one-row step (one sequence, logits at
+    /// every row, as when checking drafted tokens); 0 skips it.
+    #[arg(long, default_value_t = 5)]
+    pub verify_rows: usize,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -204,17 +208,60 @@ fn decode(a: DecodeArgs) -> Result<()> {
         }
     }
     let (p, d) = (median(pre), median(dec));
+    let verify = match a.verify_rows {
+        0 => None,
+        k => Some(verify_cost(&mut s, &base, k, a.runs.max(1) * 4)?),
+    };
     if a.json {
-        println!(
-            "{}",
-            serde_json::json!({"prefill_tok_s": p, "decode_tok_s": d, "batch": a.batch,
-                "threads": a.model.threads, "stages": s.pipe.ranges().len(), "runs": a.runs})
-        );
+        let mut v = serde_json::json!({"prefill_tok_s": p, "decode_tok_s": d, "batch": a.batch,
+                "threads": a.model.threads, "stages": s.pipe.ranges().len(), "runs": a.runs});
+        if let Some((one, many)) = verify {
+            v["verify_rows"] = a.verify_rows.into();
+            v["step_1_ms"] = (one * 1e3).into();
+            v["step_verify_ms"] = (many * 1e3).into();
+            v["verify_ratio"] = (many / one).into();
+        }
+        println!("{v}");
     } else {
         println!("prefill {p:.2} tok/s ({} tokens x {}), decode {d:.2} tok/s (batch {}, {} tokens), median of {}",
             base.len(), a.batch, a.batch, a.gen_tokens, a.runs);
+        if let Some((one, many)) = verify {
+            println!(
+                "verification: {} rows {:.1} ms, 1 row {:.1} ms, ratio {:.2} (medians of {})",
+                a.verify_rows,
+                many * 1e3,
+                one * 1e3,
+                many / one,
+                a.runs.max(1) * 4
+            );
+        }
     }
     Ok(())
+}
+
+/// Median seconds of a one-row step and of a `k`-row step with logits at every row, for one
+/// sequence after `prompt`, alternating; every step rewrites the same positions (`pos`
+/// truncation), so the context length stays the same.
+fn verify_cost(s: &mut Session, prompt: &[TokenId], k: usize, reps: usize) -> Result<(f64, f64)> {
+    let seq = s.new_seq();
+    s.prefill(seq, 0, prompt)?;
+    let tokens: Vec<TokenId> = prompt.iter().cycle().take(k).copied().collect();
+    let (mut one, mut many) = (Vec::new(), Vec::new());
+    for _ in 0..reps {
+        for (n, times) in [(1, &mut one), (k, &mut many)] {
+            let step = SeqStep {
+                seq,
+                pos: prompt.len(),
+                n,
+                logits: LogitsWanted::All,
+            };
+            let t = Instant::now();
+            s.pipe.step(vec![step], tokens[..n].to_vec())?;
+            times.push(t.elapsed().as_secs_f64());
+        }
+    }
+    s.pipe.release(seq);
+    Ok((median(one), median(many)))
 }
 
 /// One unsplit greedy run: (ttft s, decode tok/s, tokens).
