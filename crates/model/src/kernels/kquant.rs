@@ -304,6 +304,20 @@ mod avx2 {
         }
     }
 
+    /// How far ahead of the block in hand a tile read in one piece is fetched.
+    const STREAM_AHEAD: usize = 4096;
+
+    /// Fetches the block `STREAM_AHEAD` bytes further on (rows of a tile narrower than a column
+    /// chunk are read in one sequential stream).
+    #[inline(always)]
+    fn stream(blk: *const u8, len: usize) {
+        let at = blk.wrapping_add(STREAM_AHEAD);
+        for line in (0..len + 63).step_by(64) {
+            // SAFETY: a prefetch is a hint; it never faults or reads into the program.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(line).cast()) };
+        }
+    }
+
     /// Loads 32 bytes.
     ///
     /// # Safety
@@ -345,6 +359,8 @@ mod avx2 {
                     let blk = row.as_ptr().add(b * 148);
                     if rb > KC * 148 {
                         ahead(blk, rb, 148);
+                    } else {
+                        stream(blk, 148);
                     }
                     let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(
                         blk as *const i32,
@@ -408,6 +424,8 @@ mod avx2 {
                     let blk = row.as_ptr().add(b * 210);
                     if rb > KC * 210 {
                         ahead(blk, rb, 210);
+                    } else {
+                        stream(blk, 210);
                     }
                     let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(blk.add(192).cast()));
                     let halves = [
