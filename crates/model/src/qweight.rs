@@ -7,7 +7,9 @@
 //! the weights.) Threads split the output rows; every element is computed by one thread with
 //! the same code, so thread count does not change results either.
 
-use candle_core::quantized::k_quants::{BlockQ2K, BlockQ3K, BlockQ4_0, BlockQ5K, BlockQ5_1};
+use candle_core::quantized::k_quants::{
+    BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ5K, BlockQ5_1,
+};
 use candle_core::quantized::{GgmlDType, GgmlType};
 use half::{bf16, f16};
 use rayon::prelude::*;
@@ -115,6 +117,9 @@ impl RowKernel for Own {
     }
 
     fn dequantize_row(&self, row: usize, cols: usize, out: &mut [f32]) {
+        if self.fmt == Format::Q4K {
+            return kernels::kquant::dequantize_q4k(&self.data, row, cols, out);
+        }
         let rb = self.fmt.row_bytes(cols);
         self.fmt
             .dequantize_row(&self.data[row * rb..(row + 1) * rb], cols, out);
@@ -226,8 +231,8 @@ impl QWeight {
         let own = |fmt: Format, fill: F| -> Result<Box<dyn RowKernel>, ModelError> {
             let mut data = vec![0u8; nbytes];
             fill(&mut data)?;
-            if fmt.block_bytes() != fmt.gguf_block_bytes() {
-                data = fmt.repack(&data);
+            if fmt == Format::Q4K {
+                data = kernels::kquant::repack_q4k(&data, rows, cols);
             }
             Ok(Box::new(Own { fmt, data }))
         };
@@ -235,7 +240,11 @@ impl QWeight {
             GgmlDType::Q8_0 => own(Format::Q8_0, fill)?,
             GgmlDType::Q4_1 => own(Format::Q4_1, fill)?,
             GgmlDType::Q5_0 => own(Format::Q5_0, fill)?,
-            GgmlDType::Q4K => own(Format::Q4K, fill)?,
+            // The interleaved layout takes rows in groups of eight (every model we know has them).
+            GgmlDType::Q4K if rows.is_multiple_of(kernels::kquant::Q4K_ROWS) => {
+                own(Format::Q4K, fill)?
+            }
+            GgmlDType::Q4K => b::<BlockQ4K>(nbytes, fill)?,
             GgmlDType::Q6K => own(Format::Q6K, fill)?,
             GgmlDType::F32 => b::<f32>(nbytes, fill)?,
             GgmlDType::F16 => b::<f16>(nbytes, fill)?,
@@ -358,7 +367,7 @@ mod tests {
 
     #[test]
     fn kernels_are_exact_across_batch_threads_and_isa() {
-        let (rows, cols) = (70, 512);
+        let (rows, cols) = (72, 512);
         let mut s = 7;
         let w: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut s)).collect();
         for (dtype, bytes, deq) in cases(&w, rows * cols) {

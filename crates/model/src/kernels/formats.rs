@@ -1,6 +1,6 @@
 //! Unpacking each block format into integers plus per-group scale and offset
-//! (`weight = ws * u + wm`), read from the bytes as held in memory (little-endian): the GGUF
-//! blocks themselves, except Q4_K, which is repacked on load ([`Format::repack`]).
+//! (`weight = ws * u + wm`), read straight from the GGUF bytes (little-endian). Q4_K rows are
+//! held interleaved in groups of eight instead (see [`super::kquant`]).
 
 use half::f16;
 
@@ -16,8 +16,8 @@ pub enum Format {
     /// 32 elements: f16 scale, 32 × 5 bits (value − 16).
     Q5_0,
     /// 256 elements: f16 scale and min, eight 6-bit sub-scales and mins, 256 × 4 bits.
-    /// Held repacked (148 bytes): scale, min, the eight sub-scales and eight sub-mins one byte
-    /// each, then the 128 bytes of 4-bit values as in GGUF.
+    /// Held repacked on load, eight rows interleaved, 148 bytes a row's block
+    /// ([`super::kquant::repack_q4k`]).
     Q4K,
     /// 256 elements: 256 × 6 bits (value − 32), sixteen i8 sub-scales, f16 scale.
     Q6K,
@@ -55,30 +55,14 @@ impl Format {
         }
     }
 
-    /// Turns GGUF blocks into the layout held in memory (a copy for most formats). Q4_K's
-    /// packed 6-bit sub-scales become one byte each, so the kernels load them directly.
-    pub fn repack(self, gguf: &[u8]) -> Vec<u8> {
-        if self != Format::Q4K {
-            return gguf.to_vec();
-        }
-        let mut out = Vec::with_capacity(gguf.len() / 144 * 148);
-        for b in gguf.chunks_exact(144) {
-            let (s, m) = super::kquant::q4k_scales(b);
-            out.extend_from_slice(&b[..4]);
-            out.extend_from_slice(&super::kquant::bytes8(s));
-            out.extend_from_slice(&super::kquant::bytes8(m));
-            out.extend_from_slice(&b[16..]);
-        }
-        out
-    }
-
     /// Bytes of a row of `cols` elements.
     pub fn row_bytes(self, cols: usize) -> usize {
         cols / self.block_elems() * self.block_bytes()
     }
 
-    /// Unpacks one row (`cols` elements, the row's bytes) into `w`. Byte-exact work, so
-    /// every instruction set gives the same result; AVX2 only makes it faster.
+    /// Unpacks one row (`cols` elements, the row's bytes) into `w` (any format but Q4_K).
+    /// Byte-exact work, so every instruction set gives the same result; AVX2 only makes it
+    /// faster.
     pub fn unpack_row(self, bytes: &[u8], cols: usize, w: &mut UnpackedRow, isa: Isa) {
         w.u.resize(cols, 0);
         w.ws.resize(cols / GROUP, 0.0);
@@ -199,23 +183,7 @@ fn unpack(fmt: Format, bytes: &[u8], w: &mut UnpackedRow, h: impl Fn(&[u8], usiz
                 wm.fill(-16.0 * d);
             }
         }
-        Format::Q4K => {
-            for ((b, u), (ws, wm)) in blocks {
-                let (d, dmin) = (h(b, 0), h(b, 2));
-                let (s, m) = (&b[4..12], &b[12..20]);
-                for j in 0..8 {
-                    ws[2 * j..2 * j + 2].fill(d * s[j] as f32);
-                    wm[2 * j..2 * j + 2].fill(-(dmin * m[j] as f32));
-                }
-                for c in 0..4 {
-                    for k in 0..4 {
-                        let q = word(b, 20 + 32 * c + 8 * k);
-                        put(u, 64 * c + 8 * k, q & LOW4);
-                        put(u, 64 * c + 32 + 8 * k, (q >> 4) & LOW4);
-                    }
-                }
-            }
-        }
+        Format::Q4K => unreachable!("Q4_K rows are held interleaved: kquant::dequantize_q4k"),
         Format::Q6K => {
             for ((b, u), (ws, wm)) in blocks {
                 let d = h(b, 208);
