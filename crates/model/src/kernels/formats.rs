@@ -150,7 +150,9 @@ fn unpack(fmt: Format, bytes: &[u8], w: &mut UnpackedRow, h: impl Fn(&[u8], usiz
     match fmt {
         Format::Q8_0 => {
             for ((b, u), (ws, wm)) in blocks {
-                u.copy_from_slice(&b[2..34]);
+                // Fixed-size arrays, so the copy is two register moves, not a `memmove` call.
+                let q: [u8; 32] = b[2..34].try_into().expect("32 bytes");
+                *<&mut [u8; 32]>::try_from(u).expect("32 elements") = q;
                 ws.fill(h(b, 0));
                 wm.fill(0.0);
             }
