@@ -1,11 +1,13 @@
-//! Quantized weights kept in their GGUF block format, and a row-wise exact matmul over them.
+//! Quantized weights kept in their block format (Q4_K repacked on load), and a row-wise exact
+//! matmul over them.
 //!
-//! Each output element is `vec_dot(weight row, quantized activation row)` with candle's
-//! per-row dot product, whatever the number of activation rows or threads: a token's result
-//! never depends on which other tokens share the pass. (candle's own `QMatMul` switches to
-//! repacked multi-row tiles for batches, which round differently, and keeps a second copy of
-//! the weights.) Threads split the output rows; every element is computed by one thread with
-//! the same code, so thread count does not change results either.
+//! Each output element is computed by one fixed sequence of operations per (weight row,
+//! activation row), whatever the number of activation rows or threads: our kernels
+//! ([`crate::kernels`]) for Q8_0, Q4_1, Q5_0, Q4_K and Q6_K, candle's per-row `vec_dot` for the
+//! other formats. So a token's result never depends on which other tokens share the pass.
+//! (candle's own `QMatMul` switches to repacked multi-row tiles for batches, which round
+//! differently, and keeps a second copy of the weights.) Threads split the output rows, so
+//! thread count does not change results either.
 
 use candle_core::quantized::k_quants::{
     BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ5K, BlockQ5_1,
@@ -117,12 +119,7 @@ impl RowKernel for Own {
     }
 
     fn dequantize_row(&self, row: usize, cols: usize, out: &mut [f32]) {
-        if self.fmt == Format::Q4K {
-            return kernels::kquant::dequantize_q4k(&self.data, row, cols, out);
-        }
-        let rb = self.fmt.row_bytes(cols);
-        self.fmt
-            .dequantize_row(&self.data[row * rb..(row + 1) * rb], cols, out);
+        self.fmt.dequantize_row(&self.data, row, cols, out);
     }
 
     fn nbytes(&self) -> usize {

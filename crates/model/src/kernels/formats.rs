@@ -81,10 +81,15 @@ impl Format {
         matches!(self, Format::Q4K | Format::Q6K)
     }
 
-    /// Dequantizes one row into `out[..cols]`.
-    pub fn dequantize_row(self, bytes: &[u8], cols: usize, out: &mut [f32]) {
+    /// Dequantizes row `row` of the weight `data` (rows of `cols` elements, as held in
+    /// memory) into `out[..cols]`.
+    pub fn dequantize_row(self, data: &[u8], row: usize, cols: usize, out: &mut [f32]) {
+        if self == Format::Q4K {
+            return super::kquant::dequantize_q4k(data, row, cols, out);
+        }
+        let rb = self.row_bytes(cols);
         let mut w = UnpackedRow::default();
-        self.unpack_row(bytes, cols, &mut w, Isa::Scalar);
+        self.unpack_row(&data[row * rb..(row + 1) * rb], cols, &mut w, Isa::Scalar);
         for (i, o) in out[..cols].iter_mut().enumerate() {
             let g = i / GROUP;
             let v = if w.signed {

@@ -642,13 +642,7 @@ mod tests {
 
     fn dequant(fmt: Format, data: &[u8], row: usize, cols: usize) -> Vec<f32> {
         let mut out = vec![0f32; cols];
-        match fmt {
-            Format::Q4K => dequantize_q4k(data, row, cols, &mut out),
-            _ => {
-                let rb = fmt.row_bytes(cols);
-                fmt.dequantize_row(&data[row * rb..(row + 1) * rb], cols, &mut out)
-            }
-        }
+        fmt.dequantize_row(data, row, cols, &mut out);
         out
     }
 
