@@ -10,14 +10,14 @@
 //! thread count does not change results either.
 
 use candle_core::quantized::k_quants::{
-    BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ5K, BlockQ5_1,
+    BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ8_0,
 };
 use candle_core::quantized::{GgmlDType, GgmlType};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
 use crate::error::ModelError;
-use crate::kernels::{self, Format, Isa, QuantK, QuantRow};
+use crate::kernels::{self, Format, Isa, Quant32, QuantK};
 
 /// A `[rows, cols]` weight matrix in its storage format.
 pub struct QWeight {
@@ -72,19 +72,19 @@ impl RowKernel for Own {
     fn matmul(&self, rows: usize, cols: usize, xs: &[f32], n: usize, out: &mut [f32], isa: Isa) {
         // Activations quantized once for all weight rows, the way the format's kernel wants.
         enum Acts {
-            Groups(Vec<QuantRow>),
+            B32(Vec<Quant32>),
             K(Vec<QuantK>),
         }
         let acts = if self.fmt.is_k() {
             Acts::K(xs.chunks_exact(cols).map(QuantK::quantize).collect())
         } else {
-            Acts::Groups(xs.chunks_exact(cols).map(QuantRow::quantize).collect())
+            Acts::B32(xs.chunks_exact(cols).map(Quant32::quantize).collect())
         };
         let rows_major = |first_row: usize, chunk: &mut [f32]| {
             let (fmt, data) = (self.fmt, &self.data[..]);
             match &acts {
-                Acts::Groups(q) => {
-                    kernels::matmul_rows_major(fmt, data, first_row, cols, q, chunk, isa)
+                Acts::B32(q) => {
+                    kernels::q32::matmul_rows_major(fmt, data, first_row, cols, q, chunk, isa)
                 }
                 Acts::K(q) => {
                     kernels::kquant::matmul_rows_major(fmt, data, first_row, cols, q, chunk, isa)
@@ -228,19 +228,24 @@ impl QWeight {
         let own = |fmt: Format, fill: F| -> Result<Box<dyn RowKernel>, ModelError> {
             let mut data = vec![0u8; nbytes];
             fill(&mut data)?;
-            if fmt == Format::Q4K {
-                data = kernels::kquant::repack_q4k(&data, rows, cols);
+            match fmt {
+                Format::Q4K => data = kernels::kquant::repack_q4k(&data, rows, cols),
+                Format::Q6K => {}
+                _ => data = kernels::q32::repack(fmt, &data, rows, cols),
             }
             Ok(Box::new(Own { fmt, data }))
         };
+        // The interleaved layouts take rows in groups of eight (every model we know has them);
+        // other row counts keep candle's row-wise kernels.
+        let eights = rows.is_multiple_of(8);
         let blocks = match dtype {
-            GgmlDType::Q8_0 => own(Format::Q8_0, fill)?,
-            GgmlDType::Q4_1 => own(Format::Q4_1, fill)?,
-            GgmlDType::Q5_0 => own(Format::Q5_0, fill)?,
-            // The interleaved layout takes rows in groups of eight (every model we know has them).
-            GgmlDType::Q4K if rows.is_multiple_of(kernels::kquant::Q4K_ROWS) => {
-                own(Format::Q4K, fill)?
-            }
+            GgmlDType::Q8_0 if eights => own(Format::Q8_0, fill)?,
+            GgmlDType::Q4_1 if eights => own(Format::Q4_1, fill)?,
+            GgmlDType::Q5_0 if eights => own(Format::Q5_0, fill)?,
+            GgmlDType::Q4K if eights => own(Format::Q4K, fill)?,
+            GgmlDType::Q8_0 => b::<BlockQ8_0>(nbytes, fill)?,
+            GgmlDType::Q4_1 => b::<BlockQ4_1>(nbytes, fill)?,
+            GgmlDType::Q5_0 => b::<BlockQ5_0>(nbytes, fill)?,
             GgmlDType::Q4K => b::<BlockQ4K>(nbytes, fill)?,
             GgmlDType::Q6K => own(Format::Q6K, fill)?,
             GgmlDType::F32 => b::<f32>(nbytes, fill)?,
@@ -307,7 +312,7 @@ impl QWeight {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::quantized::k_quants::{BlockQ4K, BlockQ4_1, BlockQ5_0, BlockQ6K, BlockQ8_0};
+    use candle_core::quantized::k_quants::BlockQ6K;
 
     fn quantize<T: GgmlType + 'static>(vals: &[f32]) -> Vec<u8> {
         let mut blocks = vec![T::zeros(); vals.len() / T::BLCK_SIZE];

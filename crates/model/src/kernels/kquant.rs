@@ -182,6 +182,18 @@ pub fn dequantize_q4k(data: &[u8], row: usize, cols: usize, out: &mut [f32]) {
     }
 }
 
+/// Dequantizes row `row` of GGUF-layout Q6_K `data` (`cols` wide) into `out[..cols]`.
+pub fn dequantize_q6k(data: &[u8], row: usize, cols: usize, out: &mut [f32]) {
+    let rb = Format::Q6K.row_bytes(cols);
+    let blocks = data[row * rb..(row + 1) * rb].chunks_exact(210);
+    for (blk, o) in blocks.zip(out[..cols].chunks_exact_mut(QK)) {
+        let d = f16_at(blk, 208);
+        for (e, (v, &u)) in o.iter_mut().zip(&q6k_values(blk)).enumerate() {
+            *v = d * (blk[192 + e / 16] as i8) as f32 * (u as i32 - 32) as f32;
+        }
+    }
+}
+
 fn f16_at(b: &[u8], at: usize) -> f32 {
     half::f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
 }
