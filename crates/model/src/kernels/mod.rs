@@ -50,3 +50,115 @@ impl Isa {
         })
     }
 }
+
+/// Quantizes one block of activations `x` to `q` (same length, a multiple of 8) and returns
+/// its scale `d`: `q = clamp(round(x · 127/amax), ±127)` with `d = amax / 127`, where `round`
+/// takes ties to even (by adding and subtracting 1.5 · 2²³, exact for the |values| ≤ 127 here,
+/// so the portable and AVX2 versions give the same bits).
+pub fn quantize_block(x: &[f32], q: &mut [i8]) -> f32 {
+    assert!(x.len() == q.len() && x.len().is_multiple_of(8));
+    match Isa::detect() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Avx2` is chosen only on CPUs with AVX2; lengths checked above.
+        Isa::Avx2 => unsafe { quantize_block_avx2(x, q) },
+        _ => quantize_block_scalar(x, q),
+    }
+}
+
+/// Added and subtracted to round to an integer, ties to even.
+const ROUNDER: f32 = 12_582_912.0;
+
+fn quantize_block_scalar(x: &[f32], q: &mut [i8]) -> f32 {
+    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    if amax == 0.0 {
+        q.fill(0);
+        return 0.0;
+    }
+    let id = 127.0 / amax;
+    for (qi, xi) in q.iter_mut().zip(x) {
+        *qi = ((xi * id + ROUNDER) - ROUNDER).clamp(-127.0, 127.0) as i8;
+    }
+    amax / 127.0
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn quantize_block_avx2(x: &[f32], q: &mut [i8]) -> f32 {
+    use std::arch::x86_64::*;
+    // SAFETY (of every load and store below): `x` and `q` have the same length, a multiple
+    // of 8, and each access covers 8 elements at `8 * k` for k below length / 8.
+    let n = x.len();
+    let xp = x.as_ptr();
+    let abs = _mm256_castsi256_ps(_mm256_set1_epi32(i32::MAX));
+    let mut m = _mm256_setzero_ps();
+    for k in (0..n).step_by(8) {
+        m = _mm256_max_ps(m, _mm256_and_ps(abs, unsafe { _mm256_loadu_ps(xp.add(k)) }));
+    }
+    let mut lanes = [0f32; 8];
+    // SAFETY: 8 floats.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), m) };
+    // The maximum is the same whatever the order.
+    let amax = lanes.iter().fold(0f32, |a, &v| a.max(v));
+    if amax == 0.0 {
+        q.fill(0);
+        return 0.0;
+    }
+    let id = _mm256_set1_ps(127.0 / amax);
+    let (r, lo, hi) = (
+        _mm256_set1_ps(ROUNDER),
+        _mm256_set1_ps(-127.0),
+        _mm256_set1_ps(127.0),
+    );
+    for k in (0..n).step_by(8) {
+        let v = _mm256_mul_ps(unsafe { _mm256_loadu_ps(xp.add(k)) }, id);
+        let v = _mm256_sub_ps(_mm256_add_ps(v, r), r);
+        let i = _mm256_cvttps_epi32(_mm256_min_ps(_mm256_max_ps(v, lo), hi));
+        let w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+        unsafe { _mm_storel_epi64(q.as_mut_ptr().add(k).cast(), _mm_packs_epi16(w, w)) };
+    }
+    amax / 127.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn block_quantization_is_the_same_on_every_isa() {
+        let mut s = 11u64;
+        let mut next = || {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 33) as f32 / (1u64 << 31) as f32) - 0.5
+        };
+        for len in [8, 32, 256] {
+            for scale in [0.0, 1e-6, 1.0, 127.0, 3e4] {
+                let mut x: Vec<f32> = (0..len).map(|_| next() * scale).collect();
+                // The block's extreme value, and (at 127, where the factor is exactly 1) ties.
+                x[0] = scale;
+                let ties = scale == 127.0;
+                if ties {
+                    x[1..4].copy_from_slice(&[0.5, -2.5, 1.5]);
+                }
+                let (mut a, mut b) = (vec![0i8; len], vec![0i8; len]);
+                let da = quantize_block_scalar(&x, &mut a);
+                let db = quantize_block(&x, &mut b);
+                assert_eq!(
+                    (da.to_bits(), &a),
+                    (db.to_bits(), &b),
+                    "len {len} scale {scale}"
+                );
+                if scale > 0.0 {
+                    assert_eq!(a[0], 127);
+                }
+                if ties {
+                    assert_eq!(a[1..4], [0, -2, 2], "ties go to even");
+                }
+                for (qi, xi) in a.iter().zip(&x) {
+                    assert!((*qi as f32 * da - xi).abs() <= 0.5 * da * 1.0001 + 1e-30);
+                }
+            }
+        }
+    }
+}

@@ -51,16 +51,7 @@ impl Quant32 {
         let mut q = vec![0i8; x.len()];
         let (mut d, mut s, mut ds) = (vec![0f32; nb], vec![0i32; nb], vec![0f32; nb]);
         for (b, (xb, qb)) in x.chunks_exact(QB).zip(q.chunks_exact_mut(QB)).enumerate() {
-            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let id = if amax > 0.0 {
-                d[b] = amax / 127.0;
-                127.0 / amax
-            } else {
-                0.0
-            };
-            for (qi, xi) in qb.iter_mut().zip(xb) {
-                *qi = (xi * id).round().clamp(-127.0, 127.0) as i8;
-            }
+            d[b] = super::quantize_block(xb, qb);
             s[b] = qb.iter().map(|&v| v as i32).sum();
             ds[b] = d[b] * s[b] as f32;
         }
