@@ -198,10 +198,10 @@ pub fn generate(
                 let u: Vec<f32> = (0..want as u64)
                     .map(|i| draws.uniform(g + i, Lane::Draft))
                     .collect();
-                let started = Instant::now();
+                let (started, fed) = (Instant::now(), sp.drafter.fed());
                 let p = sp.drafter.propose(seq.0, &context, want, &params, &u);
-                sp.tuner
-                    .observe_draft(p.len(), started.elapsed().as_micros() as f64);
+                let us = started.elapsed().as_micros() as f64;
+                sp.tuner.observe_draft(p.len(), sp.drafter.fed() - fed, us);
                 p
             }
             None => vec![],

@@ -50,6 +50,8 @@ pub struct DraftModel {
     kv: KvStore,
     /// Per sequence, the tokens its cache holds.
     cached: HashMap<u64, Vec<u32>>,
+    /// Tokens fed through the model so far (all sequences).
+    fed: usize,
     name: String,
 }
 
@@ -76,6 +78,7 @@ impl DraftModel {
             stage,
             kv: KvStore::new(),
             cached: HashMap::new(),
+            fed: 0,
             name: name.to_string(),
         })
     }
@@ -126,6 +129,7 @@ impl DraftModel {
                 }
             }
             cached.extend_from_slice(&context[common..common + n]);
+            self.fed += n;
             common += n;
         }
         logits
@@ -228,6 +232,17 @@ impl Drafter {
             m.release(seq);
         }
     }
+
+    /// Tokens the draft model has fed through so far (0 without one). A call to
+    /// [`Drafter::propose`] for `k` proposals feeds at most `2k` in steady state (the tokens
+    /// accepted since the last call, then one per further proposal); more means it first read
+    /// a prompt into its cache.
+    pub fn fed(&self) -> usize {
+        match self {
+            Self::Model(m) | Self::Both(m) => m.fed,
+            Self::Ngram => 0,
+        }
+    }
 }
 
 /// A sequence's record of its proposals: totals (for usage reports) and a decayed estimate
@@ -300,9 +315,12 @@ impl Tuner {
         }
     }
 
-    /// Drafting `proposals` tokens took `us`.
-    pub fn observe_draft(&mut self, proposals: usize, us: f64) {
-        if proposals == 0 {
+    /// Drafting `proposals` tokens took `us`, the draft model feeding `fed` tokens (0 for
+    /// prompt lookup). More than two per proposal means it first read a prompt into its cache
+    /// (see [`Drafter::fed`]): a one-time cost, not a proposal's, so not counted (counted, it
+    /// made the tuner stop drafting for the rest of the request).
+    pub fn observe_draft(&mut self, proposals: usize, fed: usize, us: f64) {
+        if proposals == 0 || fed > 2 * proposals {
             return;
         }
         let per = us / proposals as f64;
@@ -375,8 +393,12 @@ mod tests {
         assert_eq!(t.choose(0.0), 0);
         assert!(t.choose(0.5) >= 1);
         assert!(t.choose(0.9) > t.choose(0.5));
+        // Reading a prompt into the draft model's cache is not a proposal's cost.
+        let k = t.choose(0.7);
+        t.observe_draft(1, 40, 2_000_000.0);
+        assert_eq!(t.choose(0.7), k);
         // Costly drafting (a whole step per proposal) does not pay.
-        t.observe_draft(4, 4.0 * 200_000.0);
+        t.observe_draft(4, 8, 4.0 * 200_000.0);
         assert_eq!(t.choose(0.7), 0);
         assert_eq!(Tuner::new(Some(3), 10).choose(0.0), 3);
     }
@@ -424,6 +446,8 @@ mod tests {
         let mut hist: HashMap<u32, f64> = HashMap::new();
         let mut accepted = 0;
         let q = drafter.propose(1, &context, 1, &params, &[0.5]).remove(0).q;
+        // The first proposal read the prompt: more than two tokens fed for one proposal.
+        assert_eq!(drafter.fed(), context.len());
         let q = q.expect("a sampling draft model sends q");
         assert_eq!(q.ids.len(), DRAFT_TOP_K);
         for i in 0..n as u64 {
@@ -432,10 +456,13 @@ mod tests {
             // proposal costs a forward pass).
             let token = q.pick(u);
             if i % 1000 == 0 {
+                let fed = drafter.fed();
                 assert_eq!(
                     drafter.propose(1, &context, 1, &params, &[u])[0].token,
                     token
                 );
+                // Later ones only feed the last token again.
+                assert_eq!(drafter.fed() - fed, 1);
             }
             let (a, s) = (
                 draws.uniform(i, Lane::Accept),

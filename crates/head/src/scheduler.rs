@@ -605,12 +605,15 @@ fn draft(sp: &mut Speculation, id: u64, s: &mut Seq, budget: usize) -> Vec<Propo
     let draws: Vec<f32> = (0..want as u64)
         .map(|i| s.draws.uniform(g + i, Lane::Draft))
         .collect();
-    let started = std::time::Instant::now();
+    let (started, fed) = (std::time::Instant::now(), sp.drafter.fed());
     let proposals = sp
         .drafter
         .propose(id, &s.context, want, &s.req.sampling, &draws);
-    sp.tuner
-        .observe_draft(proposals.len(), started.elapsed().as_micros() as f64);
+    sp.tuner.observe_draft(
+        proposals.len(),
+        sp.drafter.fed() - fed,
+        started.elapsed().as_micros() as f64,
+    );
     proposals
 }
 

@@ -1,8 +1,8 @@
-//! The quantized matmul kernels on one thread, at the shapes of Qwen2.5-Coder-1.5B's layers,
+//! The quantized matmul kernels on one thread, at the shapes of our models' layers,
 //! for 1 to 8 activation rows: `cargo bench -p pipeshard-model --bench kernels`.
 //! Throughput is reported in weight bytes read per second.
 
-use candle_core::quantized::k_quants::{BlockQ4K, BlockQ6K, BlockQ8_0};
+use candle_core::quantized::k_quants::{BlockQ4K, BlockQ4_1, BlockQ5_0, BlockQ6K, BlockQ8_0};
 use candle_core::quantized::{GgmlDType, GgmlType};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use pipeshard_model::qweight::QWeight;
@@ -27,17 +27,23 @@ fn weight(dtype: GgmlDType, rows: usize, cols: usize) -> QWeight {
     let bytes = match dtype {
         GgmlDType::Q4K => quantize::<BlockQ4K>(&vals),
         GgmlDType::Q6K => quantize::<BlockQ6K>(&vals),
+        GgmlDType::Q5_0 => quantize::<BlockQ5_0>(&vals),
+        GgmlDType::Q4_1 => quantize::<BlockQ4_1>(&vals),
         _ => quantize::<BlockQ8_0>(&vals),
     };
     QWeight::from_bytes("w", dtype, rows, cols, &bytes).expect("weight")
 }
 
 fn matmul(c: &mut Criterion) {
-    // The MLP's gate (Q4_K, 8960 x 1536) and down (Q6_K in Q4_K_M, 1536 x 8960) projections.
+    // The 1.5B's MLP gate (Q4_K, 8960 x 1536) and down (Q6_K in Q4_K_M, 1536 x 8960)
+    // projections, the 0.5B's MLP gate (Q5_0, 4864 x 896) and lm_head (Q8_0, here a slice of
+    // 16384 of its 151936 rows), and SmolLM2's MLP gate (Q4_1, 1536 x 576).
     for (name, dtype, rows, cols) in [
         ("q4k_8960x1536", GgmlDType::Q4K, 8960, 1536),
         ("q6k_1536x8960", GgmlDType::Q6K, 1536, 8960),
-        ("q8_0_1536x1536", GgmlDType::Q8_0, 1536, 1536),
+        ("q5_0_4864x896", GgmlDType::Q5_0, 4864, 896),
+        ("q8_0_16384x896", GgmlDType::Q8_0, 16384, 896),
+        ("q4_1_1536x576", GgmlDType::Q4_1, 1536, 576),
     ] {
         let w = weight(dtype, rows, cols);
         let mut g = c.benchmark_group(name);
