@@ -275,7 +275,22 @@ impl Acceptance {
     pub fn rate(&self) -> f64 {
         (self.accepted_ema + 1.0) / (self.verified_ema + 2.0)
     }
+
+    /// A fresh record (no totals) whose estimate starts from this one's, weighing at most
+    /// [`PRIOR_WEIGHT`] proposals, so that the sequence's own proposals soon dominate.
+    pub fn as_prior(&self) -> Self {
+        let w = (PRIOR_WEIGHT / self.verified_ema.max(PRIOR_WEIGHT)).min(1.0);
+        Self {
+            verified_ema: self.verified_ema * w,
+            accepted_ema: self.accepted_ema * w,
+            ..Self::default()
+        }
+    }
 }
+
+/// How many proposals' worth the head's recent acceptance counts for in a new sequence's
+/// estimate.
+pub const PRIOR_WEIGHT: f64 = 4.0;
 
 /// Chooses how many tokens to draft for a sequence: the `k` that maximizes expected tokens
 /// per unit of time, from the sequence's acceptance rate, the measured cost of a step as a
@@ -290,6 +305,10 @@ pub struct Tuner {
     sums: [f64; 5],
     /// Drafting time per proposal, µs (moving average).
     draft_us: Option<f64>,
+    /// Proposals accepted across all sequences: a new sequence's starting estimate, so it
+    /// drafts from its first step as much as the drafter has lately earned (starting from
+    /// 0.5 made short requests spend their first tokens undrafted).
+    seen: Acceptance,
 }
 
 /// How fast old observations fade (per observation).
@@ -303,7 +322,18 @@ impl Tuner {
             max,
             sums: [0.0; 5],
             draft_us: None,
+            seen: Acceptance::default(),
         }
+    }
+
+    /// A step verified `proposals` of some sequence and the target returned `tokens`.
+    pub fn observe_acceptance(&mut self, proposals: &[u32], tokens: &[u32]) {
+        self.seen.observe(proposals, tokens);
+    }
+
+    /// The acceptance record a new sequence starts with.
+    pub fn prior(&self) -> Acceptance {
+        self.seen.as_prior()
     }
 
     /// A step of `rows` rows took `us` from sending to its result.
@@ -401,6 +431,24 @@ mod tests {
         t.observe_draft(4, 8, 4.0 * 200_000.0);
         assert_eq!(t.choose(0.7), 0);
         assert_eq!(Tuner::new(Some(3), 10).choose(0.0), 3);
+    }
+
+    #[test]
+    fn new_sequences_start_from_the_heads_recent_acceptance() {
+        let mut t = Tuner::new(None, 10);
+        assert_eq!(t.prior().rate(), 0.5);
+        for _ in 0..20 {
+            t.observe_acceptance(&[1, 2, 3, 4], &[1, 2, 3, 4, 5]);
+        }
+        let prior = t.prior();
+        assert!(prior.rate() > 0.8, "{}", prior.rate());
+        assert_eq!((prior.drafted, prior.accepted), (0, 0));
+        // It weighs a few proposals: the sequence's own soon outweigh it.
+        let mut own = prior;
+        for _ in 0..3 {
+            own.observe(&[1, 2, 3, 4], &[9, 9, 9, 9, 9]);
+        }
+        assert!(own.rate() < 0.3, "{}", own.rate());
     }
 
     /// On a tiny model: a different tiny model drafts (sampling from its top 16), the

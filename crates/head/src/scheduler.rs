@@ -225,7 +225,10 @@ impl State {
             Seq {
                 group,
                 context: req.prompt.clone(),
-                acceptance: Acceptance::default(),
+                acceptance: self
+                    .spec
+                    .as_ref()
+                    .map_or_else(Acceptance::default, |sp| sp.tuner.prior()),
                 undrafted: 0,
                 req,
                 events,
@@ -470,6 +473,9 @@ impl State {
                 None => fed.n, // the prompt's last chunk
             };
             s.acceptance.observe(&fed.proposals, tokens);
+            if let Some(sp) = &mut self.spec {
+                sp.tuner.observe_acceptance(&fed.proposals, tokens);
+            }
             let logprobs = out.map_or(&[][..], |o| &o.logprobs[..]);
             let mut finish = None;
             for (i, &token) in tokens.iter().enumerate() {
