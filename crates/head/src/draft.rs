@@ -358,7 +358,9 @@ impl Tuner {
     }
 
     /// The step line (a, b): a fixed cost and a cost per row. Until rows vary enough to fit
-    /// it, a row is taken to cost a quarter of the fixed part.
+    /// it (a standard deviation of at least one row), a row is taken to cost a quarter of the
+    /// fixed part: a line fitted to, say, 4- and 5-row steps alone extrapolates noise to one
+    /// row, and a too-cheap one-row step made the tuner stop drafting.
     fn line(&self) -> (f64, f64) {
         let [n, sx, sy, sxx, sxy] = self.sums;
         if n < 1.0 {
@@ -366,8 +368,8 @@ impl Tuner {
         }
         let var = n * sxx - sx * sx;
         let (mx, my) = (sx / n, sy / n);
-        if var <= 1e-6 * n * n {
-            // One row count only: split its mean as the prior does.
+        if var < n * n {
+            // Row counts too close together: split their mean as the prior does.
             let a = my / (1.0 + 0.25 * mx);
             return (a, 0.25 * a);
         }
@@ -431,6 +433,21 @@ mod tests {
         t.observe_draft(4, 8, 4.0 * 200_000.0);
         assert_eq!(t.choose(0.7), 0);
         assert_eq!(Tuner::new(Some(3), 10).choose(0.0), 3);
+    }
+
+    #[test]
+    fn a_line_is_not_fitted_to_row_counts_close_together() {
+        // Only 4- and 5-row steps, the 5-row ones slower by noise: fitted, the line would
+        // put a one-row step at nothing and never draft.
+        let mut t = Tuner::new(None, 10);
+        for _ in 0..10 {
+            t.observe_step(4, 200_000.0);
+            t.observe_step(5, 260_000.0);
+        }
+        let (a, b) = t.line();
+        assert!(a > 100_000.0 && b < a, "{a} {b}");
+        t.observe_draft(4, 8, 4.0 * 40_000.0);
+        assert!(t.choose(0.88) >= 2, "{}", t.choose(0.88));
     }
 
     #[test]
