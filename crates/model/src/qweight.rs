@@ -1,5 +1,5 @@
-//! Quantized weights kept in their block format (Q4_K repacked on load), and a row-wise exact
-//! matmul over them.
+//! Quantized weights kept in their block format (repacked on load for our kernels' interleaved
+//! layouts), and a row-wise exact matmul over them.
 //!
 //! Each output element is computed by one fixed sequence of operations per (weight row,
 //! activation row), whatever the number of activation rows or threads: our kernels

@@ -18,7 +18,7 @@
 //! computed the same way whatever other rows share the pass: the SIMD path only reuses each
 //! loaded and unpacked weight block for up to [`MAX_ROWS`] activation rows.
 
-use super::{Format, Isa};
+use super::{f16_at, Format, Isa};
 
 /// Elements per super-block.
 pub const QK: usize = 256;
@@ -183,10 +183,6 @@ pub fn dequantize_q6k(data: &[u8], row: usize, cols: usize, out: &mut [f32]) {
             *v = d * (blk[192 + e / 16] as i8) as f32 * (u as i32 - 32) as f32;
         }
     }
-}
-
-fn f16_at(b: &[u8], at: usize) -> f32 {
-    half::f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
 }
 
 /// The eight lanes reduced in the fixed order the SIMD path uses.
@@ -619,13 +615,7 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn lcg(s: &mut u64) -> u32 {
-        *s = s
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (*s >> 33) as u32
-    }
+    use crate::kernels::tests::lcg;
 
     /// Random GGUF rows (every quant and scale bit pattern, finite f16 scales), as held in
     /// memory.

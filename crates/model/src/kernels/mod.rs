@@ -65,6 +65,11 @@ pub fn quantize_block(x: &[f32], q: &mut [i8]) -> f32 {
     }
 }
 
+/// The little-endian f16 at `b[at..at + 2]`, as f32 (exact).
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    half::f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
+}
+
 /// Added and subtracted to round to an integer, ties to even.
 const ROUNDER: f32 = 12_582_912.0;
 
@@ -120,18 +125,21 @@ unsafe fn quantize_block_avx2(x: &[f32], q: &mut [i8]) -> f32 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+
+    /// A small deterministic generator for the kernels' random test data.
+    pub(crate) fn lcg(s: &mut u64) -> u32 {
+        *s = s
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (*s >> 33) as u32
+    }
 
     #[test]
     fn block_quantization_is_the_same_on_every_isa() {
         let mut s = 11u64;
-        let mut next = || {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 33) as f32 / (1u64 << 31) as f32) - 0.5
-        };
+        let mut next = || (lcg(&mut s) as f32 / (1u64 << 31) as f32) - 0.5;
         for len in [8, 32, 256] {
             for scale in [0.0, 1e-6, 1.0, 127.0, 3e4] {
                 let mut x: Vec<f32> = (0..len).map(|_| next() * scale).collect();

@@ -15,7 +15,7 @@
 //! the same way whatever other rows share the pass: the SIMD path only reuses each loaded and
 //! unpacked weight block for up to [`MAX_ROWS`] activation rows.
 
-use super::{Format, Isa};
+use super::{f16_at, Format, Isa};
 
 /// Elements per block.
 pub const QB: usize = 32;
@@ -158,10 +158,6 @@ fn block(fmt: Format, data: &[u8], nb: usize, row: usize, b: usize) -> Block {
         m,
         v,
     }
-}
-
-fn f16_at(b: &[u8], at: usize) -> f32 {
-    half::f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
 }
 
 /// Dequantizes row `row` of interleaved `data` (`cols` wide) into `out[..cols]`.
@@ -414,13 +410,7 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn lcg(s: &mut u64) -> u32 {
-        *s = s
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (*s >> 33) as u32
-    }
+    use crate::kernels::tests::lcg;
 
     const FORMATS: [Format; 3] = [Format::Q8_0, Format::Q4_1, Format::Q5_0];
 
