@@ -41,6 +41,8 @@ fn matmul(c: &mut Criterion) {
     for (name, dtype, rows, cols) in [
         ("q4k_8960x1536", GgmlDType::Q4K, 8960, 1536),
         ("q6k_1536x8960", GgmlDType::Q6K, 1536, 8960),
+        ("q6k_65536x1536", GgmlDType::Q6K, 65536, 1536),
+        ("q4k_65536x1536", GgmlDType::Q4K, 65536, 1536),
         ("q5_0_4864x896", GgmlDType::Q5_0, 4864, 896),
         ("q8_0_16384x896", GgmlDType::Q8_0, 16384, 896),
         ("q4_1_1536x576", GgmlDType::Q4_1, 1536, 576),

@@ -10,7 +10,8 @@
 //! thread count does not change results either.
 
 use candle_core::quantized::k_quants::{
-    BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ8_0,
+    BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K,
+    BlockQ8_0,
 };
 use candle_core::quantized::{GgmlDType, GgmlType};
 use half::{bf16, f16};
@@ -230,7 +231,7 @@ impl QWeight {
             fill(&mut data)?;
             match fmt {
                 Format::Q4K => data = kernels::kquant::repack_q4k(&data, rows, cols),
-                Format::Q6K => {}
+                Format::Q6K => data = kernels::kquant::repack_q6k(&data, rows, cols),
                 _ => data = kernels::q32::repack(fmt, &data, rows, cols),
             }
             Ok(Box::new(Own { fmt, data }))
@@ -243,11 +244,12 @@ impl QWeight {
             GgmlDType::Q4_1 if eights => own(Format::Q4_1, fill)?,
             GgmlDType::Q5_0 if eights => own(Format::Q5_0, fill)?,
             GgmlDType::Q4K if eights => own(Format::Q4K, fill)?,
+            GgmlDType::Q6K if eights => own(Format::Q6K, fill)?,
             GgmlDType::Q8_0 => b::<BlockQ8_0>(nbytes, fill)?,
             GgmlDType::Q4_1 => b::<BlockQ4_1>(nbytes, fill)?,
             GgmlDType::Q5_0 => b::<BlockQ5_0>(nbytes, fill)?,
             GgmlDType::Q4K => b::<BlockQ4K>(nbytes, fill)?,
-            GgmlDType::Q6K => own(Format::Q6K, fill)?,
+            GgmlDType::Q6K => b::<BlockQ6K>(nbytes, fill)?,
             GgmlDType::F32 => b::<f32>(nbytes, fill)?,
             GgmlDType::F16 => b::<f16>(nbytes, fill)?,
             GgmlDType::BF16 => b::<bf16>(nbytes, fill)?,
@@ -312,7 +314,6 @@ impl QWeight {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::quantized::k_quants::BlockQ6K;
 
     fn quantize<T: GgmlType + 'static>(vals: &[f32]) -> Vec<u8> {
         let mut blocks = vec![T::zeros(); vals.len() / T::BLCK_SIZE];

@@ -14,7 +14,8 @@ pub enum Format {
     /// Held repacked on load, eight rows interleaved, 148 bytes a row's block
     /// ([`super::kquant::repack_q4k`]).
     Q4K,
-    /// 256 elements: 256 × 6 bits (value − 32), sixteen i8 sub-scales, f16 scale.
+    /// 256 elements: 256 × 6 bits (value − 32), sixteen i8 sub-scales, f16 scale. Held
+    /// repacked on load, eight rows interleaved, same size ([`super::kquant::repack_q6k`]).
     Q6K,
 }
 

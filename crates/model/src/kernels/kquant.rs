@@ -8,10 +8,9 @@
 //!   32-element sub-blocks, exact integers, then `acc = acc + ((d·dx)·I − (dmin·dx)·M)`; the
 //!   result is `acc`. The rows are held interleaved in groups of eight ([`repack_q4k`]), so the
 //!   AVX2 path's integer sums come out one lane per weight row and need no horizontal sums.
-//! - Q6_K (GGUF layout): lane `l` (0..8) holds the elements `e` with `(e % 32) / 4 == l`,
-//!   `I_l = Σ sc[e/16]·u_e·q_e − 32·(sc[2l]·Σq + sc[2l+1]·Σq)` over the lane's elements and the
-//!   16-element groups `2l` and `2l+1`, `acc_l = acc_l + (d·dx)·I_l`, and the result is
-//!   `((acc_0+acc_4) + (acc_2+acc_6)) + ((acc_1+acc_5) + (acc_3+acc_7))`.
+//! - Q6_K: `I = Σ_j sc_j·(Σ_{e∈j} u_e·q_e − 32·Σ_{e∈j} q_e)` over the sixteen 16-element
+//!   sub-blocks (`u` the unsigned 6-bit values), exact, then `acc = acc + (d·dx)·I`. Held
+//!   interleaved in groups of eight rows too ([`repack_q6k`]).
 //!
 //! Integer sums are exact in any order and the float steps are the same operations in the same
 //! order, so the AVX2 path equals the reference bit for bit. Each activation row's result is
@@ -132,6 +131,83 @@ pub fn repack_q4k(gguf: &[u8], rows: usize, cols: usize) -> Vec<u8> {
     out
 }
 
+/// Q6_K weight rows are held in groups of eight too ([`Q6K_GROUP_BYTES`] per block of the
+/// group, the same size as GGUF's eight blocks): the eight rows' f16 scales, the sub-scales as
+/// `[pair of sub-blocks][row][2]`, then each 128-element half `h` in turn (the kernel reads
+/// them in order): its low four bits as `[4-byte column (16)][row][4]` (byte `t` of column `k`
+/// is GGUF's `ql[64h + 4k + t]`: elements `128h + 4k + t` in its low and `128h + 64 + 4k + t`
+/// in its high nibble), then its top two bits as `[column (8)][row][4]` (GGUF's
+/// `qh[32h + 4k + t]`: elements `128h + 4k + t`, `+ 32`, `+ 64` and `+ 96` in bits 0-1, 2-3,
+/// 4-5 and 6-7).
+pub const Q6K_GROUP_BYTES: usize = 16 + 128 + 1024 + 512;
+const Q6K_SC: usize = 16;
+const Q6K_QL: usize = 144;
+const Q6K_QH: usize = 144 + 512;
+/// Bytes of one half's values (128 elements of eight rows: 512 low, then 256 top bits).
+const Q6K_HALF: usize = 768;
+
+/// Repacks GGUF Q6_K rows (`rows` a multiple of 8, `cols` of 256) into the interleaved layout.
+pub fn repack_q6k(gguf: &[u8], rows: usize, cols: usize) -> Vec<u8> {
+    assert!(rows.is_multiple_of(Q4K_ROWS) && cols.is_multiple_of(QK));
+    let nb = cols / QK;
+    let mut out = vec![0u8; rows / Q4K_ROWS * nb * Q6K_GROUP_BYTES];
+    for (g, dst) in out.chunks_exact_mut(nb * Q6K_GROUP_BYTES).enumerate() {
+        for (b, gb) in dst.chunks_exact_mut(Q6K_GROUP_BYTES).enumerate() {
+            for r in 0..Q4K_ROWS {
+                let at = ((g * Q4K_ROWS + r) * nb + b) * 210;
+                let blk = &gguf[at..at + 210];
+                gb[2 * r..2 * r + 2].copy_from_slice(&blk[208..210]);
+                for j in 0..16 {
+                    gb[Q6K_SC + 16 * (j / 2) + 2 * r + j % 2] = blk[192 + j];
+                }
+                for h in 0..2 {
+                    for k in 0..16 {
+                        let o = Q6K_QL + Q6K_HALF * h + 32 * k + 4 * r;
+                        let src = 64 * h + 4 * k;
+                        gb[o..o + 4].copy_from_slice(&blk[src..src + 4]);
+                    }
+                    for k in 0..8 {
+                        let o = Q6K_QH + Q6K_HALF * h + 32 * k + 4 * r;
+                        let src = 128 + 32 * h + 4 * k;
+                        gb[o..o + 4].copy_from_slice(&blk[src..src + 4]);
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// One Q6_K block of one row, read from the interleaved layout.
+struct Q6kBlock {
+    d: f32,
+    sc: [i8; 16],
+    u: [u8; QK],
+}
+
+/// Block `b` of row `row` of interleaved Q6_K `data` with `nb` blocks per row.
+fn q6k_block(data: &[u8], nb: usize, row: usize, b: usize) -> Q6kBlock {
+    let (g, r) = (row / Q4K_ROWS, row % Q4K_ROWS);
+    let at = (g * nb + b) * Q6K_GROUP_BYTES;
+    let gb = &data[at..at + Q6K_GROUP_BYTES];
+    let mut u = [0u8; QK];
+    for (e, ue) in u.iter_mut().enumerate() {
+        // Element e = 128h + 32s + l: the nibble of `ql[64h + 32(s % 2) + l]` (high for s ≥ 2)
+        // and bits 2s, 2s + 1 of `qh[32h + l]`.
+        let (h, s, l) = (e / 128, (e % 128) / 32, e % 32);
+        let m = 32 * (s % 2) + l;
+        let ql = gb[Q6K_QL + Q6K_HALF * h + 32 * (m / 4) + 4 * r + m % 4];
+        let qh = gb[Q6K_QH + Q6K_HALF * h + 32 * (l / 4) + 4 * r + l % 4];
+        let lo = if s < 2 { ql & 15 } else { ql >> 4 };
+        *ue = lo | (((qh >> (2 * s)) & 3) << 4);
+    }
+    Q6kBlock {
+        d: f16_at(gb, 2 * r),
+        sc: std::array::from_fn(|j| gb[Q6K_SC + 16 * (j / 2) + 2 * r + j % 2] as i8),
+        u,
+    }
+}
+
 /// One Q4_K block of one row, read from the interleaved layout.
 struct Q4kBlock {
     d: f32,
@@ -173,45 +249,20 @@ pub fn dequantize_q4k(data: &[u8], row: usize, cols: usize, out: &mut [f32]) {
     }
 }
 
-/// Dequantizes row `row` of GGUF-layout Q6_K `data` (`cols` wide) into `out[..cols]`.
+/// Dequantizes row `row` of interleaved Q6_K `data` (`cols` wide) into `out[..cols]`.
 pub fn dequantize_q6k(data: &[u8], row: usize, cols: usize, out: &mut [f32]) {
-    let rb = Format::Q6K.row_bytes(cols);
-    let blocks = data[row * rb..(row + 1) * rb].chunks_exact(210);
-    for (blk, o) in blocks.zip(out[..cols].chunks_exact_mut(QK)) {
-        let d = f16_at(blk, 208);
-        for (e, (v, &u)) in o.iter_mut().zip(&q6k_values(blk)).enumerate() {
-            *v = d * (blk[192 + e / 16] as i8) as f32 * (u as i32 - 32) as f32;
+    let nb = cols / QK;
+    for (b, o) in out[..cols].chunks_exact_mut(QK).enumerate() {
+        let k = q6k_block(data, nb, row, b);
+        for (e, v) in o.iter_mut().enumerate() {
+            *v = k.d * k.sc[e / 16] as f32 * (k.u[e] as i32 - 32) as f32;
         }
     }
 }
 
-/// The eight lanes reduced in the fixed order the SIMD path uses.
-#[inline(always)]
-fn reduce(acc: [f32; 8]) -> f32 {
-    let s: [f32; 4] = std::array::from_fn(|k| acc[k] + acc[k + 4]);
-    (s[0] + s[2]) + (s[1] + s[3])
-}
-
-/// Q6_K's 256 six-bit values of one block, in element order.
-fn q6k_values(blk: &[u8]) -> [u8; QK] {
-    let mut u = [0u8; QK];
-    for h in 0..2 {
-        for l in 0..32 {
-            let (ql0, ql1) = (blk[64 * h + l], blk[64 * h + 32 + l]);
-            let qh = blk[128 + 32 * h + l];
-            let o = 128 * h + l;
-            u[o] = (ql0 & 15) | ((qh & 3) << 4);
-            u[o + 32] = (ql1 & 15) | (((qh >> 2) & 3) << 4);
-            u[o + 64] = (ql0 >> 4) | (((qh >> 4) & 3) << 4);
-            u[o + 96] = (ql1 >> 4) | (((qh >> 6) & 3) << 4);
-        }
-    }
-    u
-}
-
-/// The reference: row `row` of the weight rows `w` (rows of `rb` bytes as held in memory,
-/// starting at a multiple of [`Q4K_ROWS`]) against one activation row.
-pub fn dot_scalar(fmt: Format, w: &[u8], rb: usize, row: usize, x: &QuantK) -> f32 {
+/// The reference: row `row` of the interleaved weight rows `w` (starting at a multiple of
+/// [`Q4K_ROWS`]) against one activation row.
+pub fn dot_scalar(fmt: Format, w: &[u8], row: usize, x: &QuantK) -> f32 {
     let nb = x.d.len();
     match fmt {
         Format::Q4K => {
@@ -234,26 +285,21 @@ pub fn dot_scalar(fmt: Format, w: &[u8], rb: usize, row: usize, x: &QuantK) -> f
             acc
         }
         Format::Q6K => {
-            let mut acc = [0f32; 8];
-            let row = &w[row * rb..(row + 1) * rb];
-            for (b, blk) in row.chunks_exact(210).enumerate() {
+            // Per block: I = Σ_j sc_j·(Σ_{e∈j} u_e·q_e − 32·Σ_{e∈j} q_e), exact.
+            let mut acc = 0f32;
+            for b in 0..nb {
+                let k = q6k_block(w, nb, row, b);
                 let q = &x.q[b * QK..(b + 1) * QK];
-                let bs = &x.bs[b * 16..(b + 1) * 16];
-                let dx = x.d[b];
-                let mut lane = [0i32; 8];
-                let d = f16_at(blk, 208);
-                let sc = |k: usize| blk[192 + k] as i8 as i32;
-                let u = q6k_values(blk);
-                for (e, &qe) in q.iter().enumerate() {
-                    lane[(e % 32) / 4] += sc(e / 16) * u[e] as i32 * qe as i32;
+                let mut i = 0i32;
+                for j in 0..16 {
+                    let g: i32 = (16 * j..16 * j + 16)
+                        .map(|e| k.u[e] as i32 * q[e] as i32)
+                        .sum();
+                    i += k.sc[j] as i32 * (g - 32 * x.bs[16 * b + j] as i32);
                 }
-                for l in 0..8 {
-                    lane[l] -=
-                        32 * (sc(2 * l) * bs[2 * l] as i32 + sc(2 * l + 1) * bs[2 * l + 1] as i32);
-                    acc[l] += (d * dx) * lane[l] as f32;
-                }
+                acc += (k.d * x.d[b]) * i as f32;
             }
-            reduce(acc)
+            acc
         }
         other => unreachable!("{other:?} is not a K format"),
     }
@@ -284,7 +330,7 @@ pub fn matmul_rows_major(
         _ => {
             for (k, dst) in out.chunks_mut(n).enumerate() {
                 for (x, d) in xs.iter().zip(dst.iter_mut()) {
-                    *d = dot_scalar(fmt, w, rb, k, x);
+                    *d = dot_scalar(fmt, w, k, x);
                 }
             }
         }
@@ -297,101 +343,49 @@ mod avx2 {
     use crate::kernels::{Format, Isa};
     use std::arch::x86_64::*;
 
-    /// `pat(a, b)`: a shuffle that fills the low 128-bit lane with the `i16` at index `a` and the
-    /// high lane with the one at index `b` (of each lane's own eight).
-    const fn pat(a: usize, b: usize) -> [u8; 32] {
-        let mut p = [0u8; 32];
-        let mut k = 0;
-        while k < 8 {
-            p[2 * k] = 2 * a as u8;
-            p[2 * k + 1] = 2 * a as u8 + 1;
-            p[16 + 2 * k] = 2 * b as u8;
-            p[16 + 2 * k + 1] = 2 * b as u8 + 1;
-            k += 1;
-        }
-        p
-    }
-    /// Q6_K: the scales of 16-element groups 2t and 2t + 1 in the two lanes.
-    static Q6K_PAT: [[u8; 32]; 4] = [pat(0, 1), pat(2, 3), pat(4, 5), pat(6, 7)];
-
-    /// Weight rows per pass over a group of activation rows: the tile stays in cache while
-    /// every group of [`MAX_ROWS`] activation rows goes over it.
-    const TILE: usize = 16;
-
-    /// Blocks per column chunk: the activation rows' part of a chunk stays in the L1 cache
-    /// while every row of the tile goes over it (wide inputs, like the MLP's down projection,
-    /// would otherwise stream the activations from L2 once per weight row).
-    const KC: usize = 8;
-
-    /// `out[k * xs.len() + i] = w[k] · xs[i]` for every row of `w` (rows of `rb` bytes).
+    /// `out[k * xs.len() + i] = w[k] · xs[i]` for every row of `w` (rows of `rb` bytes, in
+    /// interleaved groups of eight): every group against every activation row; the float lanes
+    /// are the group's rows.
     pub fn matmul(fmt: Format, w: &[u8], rb: usize, xs: &[QuantK], out: &mut [f32]) {
         assert_eq!(Isa::detect(), Isa::Avx2, "the AVX2 kernels need AVX2");
         let n = xs.len();
         let nb = xs[0].d.len();
         assert!(rb == nb * fmt.block_bytes() && w.len().is_multiple_of(rb));
-        assert!(xs
-            .iter()
-            .all(|x| x.d.len() == nb && x.q.len() == nb * QK && x.bs.len() == nb * 16));
-        assert!(out.len() >= w.len() / rb * n);
-        if fmt == Format::Q4K {
-            return q4k_matmul(w, rb, xs, out);
-        }
-        // Lane accumulators of every (row, activation row) pair of a tile, kept across the
-        // column chunks; reduced at the end in the reference's order.
-        let mut accs = vec![[0f32; 8]; TILE * n];
-        for (t, wt) in w.chunks(TILE * rb).enumerate() {
-            let rows = wt.len() / rb;
+        assert!(xs.iter().all(|x| x.d.len() == nb
+            && x.q.len() == nb * QK
+            && x.bs.len() == nb * 16
+            && x.bs32.len() == nb * 8));
+        let group = super::Q4K_ROWS * rb;
+        assert!(w.len().is_multiple_of(group) && out.len() >= w.len() / rb * n);
+        let mut accs = vec![[0f32; 8]; n];
+        for (g, wg) in w.chunks_exact(group).enumerate() {
             accs.iter_mut().for_each(|a| *a = [0.0; 8]);
-            for b0 in (0..nb).step_by(KC) {
-                let blocks = b0..(b0 + KC).min(nb);
-                for (c, xc) in xs.chunks(MAX_ROWS).enumerate() {
-                    let (a, o) = (&mut accs[..], c * MAX_ROWS);
-                    let bl = blocks.clone();
-                    macro_rules! go {
-                        ($($k:literal)*) => {
-                            match (fmt, xc.len()) {
-                                $(
-                                    // SAFETY: AVX2 and the sizes are checked above.
-                                    (Format::Q6K, $k) => unsafe { q6k::<$k>(wt, rb, xc, bl, a, n, o) },
-                                )*
-                                (f, k) => unreachable!("{f:?} with {k} rows"),
-                            }
-                        };
-                    }
-                    go!(1 2 3 4 5);
+            for (c, xc) in xs.chunks(MAX_ROWS).enumerate() {
+                let a = &mut accs[c * MAX_ROWS..];
+                macro_rules! go {
+                    ($($k:literal)*) => {
+                        match (fmt, xc.len()) {
+                            $(
+                                // SAFETY: AVX2 checked above; sizes checked above.
+                                (Format::Q4K, $k) => unsafe { q4k::<$k>(wg, xc, a) },
+                                (Format::Q6K, $k) => unsafe { q6k::<$k>(wg, xc, a) },
+                            )*
+                            (f, k) => unreachable!("{f:?} with {k} rows"),
+                        }
+                    };
+                }
+                go!(1 2 3 4 5);
+            }
+            for (i, a) in accs.iter().enumerate() {
+                for (r, v) in a.iter().enumerate() {
+                    out[(g * super::Q4K_ROWS + r) * n + i] = *v;
                 }
             }
-            for (k, a) in accs[..rows * n].iter().enumerate() {
-                out[t * TILE * n + k] = super::reduce(*a);
-            }
         }
     }
 
-    /// Fetches the same block of the next row into the cache: a tile of rows wider than one
-    /// column chunk is read chunk by chunk, row by row, a stride the hardware prefetcher does
-    /// not follow (without this, the 1536 x 8960 Q6_K product ran 5x slower).
-    #[inline(always)]
-    fn ahead(blk: *const u8, rb: usize, len: usize) {
-        let next = blk.wrapping_add(rb);
-        for line in (0..len + 63).step_by(64) {
-            // SAFETY: a prefetch is a hint; it never faults or reads into the program.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(line).cast()) };
-        }
-    }
-
-    /// How far ahead of the block in hand a tile read in one piece is fetched.
+    /// How far ahead a single-row Q6_K pass fetches.
     const STREAM_AHEAD: usize = 4096;
-
-    /// Fetches the block `STREAM_AHEAD` bytes further on (rows of a tile narrower than a column
-    /// chunk are read in one sequential stream).
-    #[inline(always)]
-    fn stream(blk: *const u8, len: usize) {
-        let at = blk.wrapping_add(STREAM_AHEAD);
-        for line in (0..len + 63).step_by(64) {
-            // SAFETY: a prefetch is a hint; it never faults or reads into the program.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(line).cast()) };
-        }
-    }
 
     /// Loads 32 bytes.
     ///
@@ -401,36 +395,6 @@ mod avx2 {
     unsafe fn ld(p: *const u8) -> __m256i {
         // SAFETY: per the contract.
         unsafe { _mm256_loadu_si256(p.cast()) }
-    }
-
-    /// Interleaved Q4_K: every group of eight rows against every activation row; the float
-    /// lanes are the group's rows.
-    fn q4k_matmul(w: &[u8], rb: usize, xs: &[QuantK], out: &mut [f32]) {
-        let n = xs.len();
-        let group = super::Q4K_ROWS * rb;
-        assert!(w.len().is_multiple_of(group));
-        assert!(xs.iter().all(|x| x.bs32.len() == x.d.len() * 8));
-        let mut accs = vec![[0f32; 8]; n];
-        for (g, wg) in w.chunks_exact(group).enumerate() {
-            accs.iter_mut().for_each(|a| *a = [0.0; 8]);
-            for (c, xc) in xs.chunks(MAX_ROWS).enumerate() {
-                let a = &mut accs[c * MAX_ROWS..];
-                match xc.len() {
-                    // SAFETY: AVX2 checked by the caller; sizes checked there and above.
-                    1 => unsafe { q4k::<1>(wg, xc, a) },
-                    2 => unsafe { q4k::<2>(wg, xc, a) },
-                    3 => unsafe { q4k::<3>(wg, xc, a) },
-                    4 => unsafe { q4k::<4>(wg, xc, a) },
-                    5 => unsafe { q4k::<5>(wg, xc, a) },
-                    k => unreachable!("{k} rows"),
-                }
-            }
-            for (i, a) in accs.iter().enumerate() {
-                for (r, v) in a.iter().enumerate() {
-                    out[(g * super::Q4K_ROWS + r) * n + i] = *v;
-                }
-            }
-        }
     }
 
     /// Adds one group of eight interleaved Q4_K rows (`gw`: its blocks) against `xs[i]` to the
@@ -518,95 +482,206 @@ mod avx2 {
         }
     }
 
-    /// Adds blocks `blocks` of every row `r` of `w` against `xs[i]` to the lanes
-    /// `accs[r * stride + off + i]`.
+    /// Adds one group of eight interleaved Q6_K rows (`gw`: its blocks) against `xs[i]` to the
+    /// row lanes `accs[i]`.
     ///
     /// # Safety
-    /// AVX2 and F16C; `w` holds whole rows of `rb` bytes, each `xs[i].d.len()` blocks, and
-    /// `blocks` is within them; `N == xs.len()`; `accs` reaches `(rows - 1) * stride + off + N`.
+    /// AVX2 and F16C; `gw` holds `xs[i].d.len()` group blocks; `N == xs.len() <= accs.len()`.
     #[target_feature(enable = "avx2,f16c")]
-    unsafe fn q6k<const N: usize>(
-        w: &[u8],
-        rb: usize,
-        xs: &[QuantK],
-        blocks: std::ops::Range<usize>,
-        accs: &mut [[f32; 8]],
-        stride: usize,
-        off: usize,
+    unsafe fn q6k<const N: usize>(gw: &[u8], xs: &[QuantK], accs: &mut [[f32; 8]]) {
+        use super::{Q6K_GROUP_BYTES as GB, Q6K_QL, Q6K_SC};
+        let nb = xs[0].d.len();
+        let qs: [*const u8; N] = std::array::from_fn(|i| xs[i].q.as_ptr().cast());
+        let bss: [*const i16; N] = std::array::from_fn(|i| xs[i].bs.as_ptr());
+        let bcast = |p: *const u8| {
+            // SAFETY: callers pass pointers to 4 readable bytes.
+            _mm256_set1_epi32(unsafe { std::ptr::read_unaligned(p as *const i32) })
+        };
+        // SAFETY: `accs` has N entries of 8 floats.
+        let mut acc: [__m256; N] =
+            std::array::from_fn(|i| unsafe { _mm256_loadu_ps(accs[i].as_ptr()) });
+        for b in 0..nb {
+            // SAFETY: group block `b` is `GB` bytes inside `gw`; every activation row holds `nb`
+            // blocks of 256 values and 16 sums (checked by the callers).
+            unsafe {
+                let gb = gw.as_ptr().add(b * GB);
+                // One row streams from memory: its half kernel fetches each line it loads 4 KiB
+                // ahead as it goes (this is the scales' part); a whole block's fetches in one
+                // burst, as for more rows, left the single-row pass about 15% slower from DRAM.
+                if N == 1 {
+                    for line in (0..Q6K_QL).step_by(64) {
+                        _mm_prefetch::<_MM_HINT_T0>(gb.wrapping_add(STREAM_AHEAD + line).cast());
+                    }
+                } else {
+                    for line in (0..GB).step_by(64) {
+                        _mm_prefetch::<_MM_HINT_T0>(gb.wrapping_add(2 * GB + line).cast());
+                    }
+                }
+                let d = _mm256_cvtph_ps(_mm_loadu_si128(gb.cast()));
+                let mut isum = [_mm256_setzero_si256(); N];
+                for h in 0..2 {
+                    let at: [*const u8; N] = std::array::from_fn(|i| qs[i].add(b * QK + 128 * h));
+                    if N == 1 {
+                        q6k_half_one(gb, h, at[0], &mut isum[0]);
+                        continue;
+                    }
+                    q6k_quarter::<N, 0>(gb, h, at, &mut isum);
+                    q6k_quarter::<N, 1>(gb, h, at, &mut isum);
+                    q6k_quarter::<N, 2>(gb, h, at, &mut isum);
+                    q6k_quarter::<N, 3>(gb, h, at, &mut isum);
+                }
+                for i in 0..N {
+                    // The −32 offset of every value: Σ_j sc_j · (sum of sub-block j's q).
+                    let mut off = _mm256_setzero_si256();
+                    for jp in 0..8 {
+                        let sv =
+                            _mm256_cvtepi8_epi16(_mm_loadu_si128(gb.add(Q6K_SC + 16 * jp).cast()));
+                        let bb = bcast(bss[i].add(16 * b + 2 * jp).cast());
+                        off = _mm256_add_epi32(off, _mm256_madd_epi16(sv, bb));
+                    }
+                    let is = _mm256_sub_epi32(isum[i], _mm256_slli_epi32(off, 5));
+                    let dx = _mm256_set1_ps(*xs[i].d.get_unchecked(b));
+                    let v = _mm256_mul_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(is));
+                    acc[i] = _mm256_add_ps(acc[i], v);
+                }
+            }
+        }
+        for i in 0..N {
+            // SAFETY: as above.
+            unsafe { _mm256_storeu_ps(accs[i].as_mut_ptr(), acc[i]) };
+        }
+    }
+
+    /// Adds quarter `S` (elements `128h + 32S..+32`: sub-blocks `8h + 2S` and `8h + 2S + 1`)
+    /// of a Q6_K group block `gb` against the activations at `at[i]` (the half's first value)
+    /// to `isum[i]`.
+    ///
+    /// # Safety
+    /// AVX2; `gb` is a whole group block and each `at[i]` has 128 readable values.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn q6k_quarter<const N: usize, const S: usize>(
+        gb: *const u8,
+        h: usize,
+        at: [*const u8; N],
+        isum: &mut [__m256i; N],
     ) {
+        use super::{Q6K_HALF, Q6K_QH, Q6K_QL, Q6K_SC};
         let m4 = _mm256_set1_epi8(0x0F);
         let m30 = _mm256_set1_epi8(0x30);
-        let qs: [*const i8; N] = std::array::from_fn(|i| xs[i].q.as_ptr());
-        let bss: [*const i16; N] = std::array::from_fn(|i| xs[i].bs.as_ptr());
-        for (r, row) in w.chunks_exact(rb).enumerate() {
-            let at = r * stride + off;
-            // SAFETY: `accs` has `stride` entries per row of the tile; `off + N <= stride`.
-            let mut acc: [__m256; N] =
-                std::array::from_fn(|i| unsafe { _mm256_loadu_ps(accs[at + i].as_ptr()) });
-            for b in blocks.clone() {
-                // SAFETY: block `b` of the row is 210 bytes; the activation rows hold `nb`
-                // blocks (checked by the caller).
-                unsafe {
-                    let blk = row.as_ptr().add(b * 210);
-                    if rb > KC * 210 {
-                        ahead(blk, rb, 210);
-                    } else {
-                        stream(blk, 210);
-                    }
-                    let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(blk.add(192).cast()));
-                    let halves = [
-                        _mm256_permute2x128_si256(sc16, sc16, 0x00),
-                        _mm256_permute2x128_si256(sc16, sc16, 0x11),
-                    ];
-                    let mut isum = [_mm256_setzero_si256(); N];
-                    for (h, &sc) in halves.iter().enumerate() {
-                        let ql0 = ld(blk.add(64 * h));
-                        let ql1 = ld(blk.add(64 * h + 32));
-                        let qh = ld(blk.add(128 + 32 * h));
-                        let lo = |v: __m256i| _mm256_and_si256(v, m4);
-                        let hi = |v: __m256i| _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                        let u = [
-                            _mm256_or_si256(
-                                lo(ql0),
-                                _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30),
-                            ),
-                            _mm256_or_si256(
-                                lo(ql1),
-                                _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30),
-                            ),
-                            _mm256_or_si256(hi(ql0), _mm256_and_si256(qh, m30)),
-                            _mm256_or_si256(
-                                hi(ql1),
-                                _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30),
-                            ),
-                        ];
-                        for (t, &ut) in u.iter().enumerate() {
-                            let s = _mm256_shuffle_epi8(sc, ld(Q6K_PAT[t].as_ptr()));
-                            for i in 0..N {
-                                let q = qs[i].add(b * QK + 128 * h + 32 * t).cast::<u8>();
-                                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(ut, ld(q)), s);
-                                isum[i] = _mm256_add_epi32(isum[i], p);
-                            }
+        for jj in 0..2 {
+            let j = 8 * h + 2 * S + jj;
+            // SAFETY (every access below): inside the group block, or within the 128 values.
+            unsafe {
+                // Sub-block j's scale of every row, twice over (for both i16 lanes of a row).
+                let pair = _mm_loadu_si128(gb.add(Q6K_SC + 16 * (j / 2)).cast());
+                let sel = _mm_add_epi8(
+                    _mm_setr_epi8(0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10, 12, 12, 14, 14),
+                    _mm_set1_epi8(jj as i8),
+                );
+                let sc = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(pair, sel));
+                // Two pairs of 4-byte columns: an i16 sum of two products of at most
+                // 2 · 63 · 127 each stays below 32768.
+                for kp in 0..2 {
+                    let mut p = [_mm256_setzero_si256(); N];
+                    for kk in 4 * jj + 2 * kp..4 * jj + 2 * kp + 2 {
+                        let ql = ld(gb.add(Q6K_QL + Q6K_HALF * h + 32 * (8 * (S % 2) + kk)));
+                        let qh = ld(gb.add(Q6K_QH + Q6K_HALF * h + 32 * kk));
+                        let lo = if S < 2 {
+                            _mm256_and_si256(ql, m4)
+                        } else {
+                            _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4)
+                        };
+                        let hi = match S {
+                            0 => _mm256_slli_epi16(qh, 4),
+                            1 => _mm256_slli_epi16(qh, 2),
+                            2 => qh,
+                            _ => _mm256_srli_epi16(qh, 2),
+                        };
+                        let u = _mm256_or_si256(lo, _mm256_and_si256(hi, m30));
+                        for i in 0..N {
+                            let a = _mm256_set1_epi32(std::ptr::read_unaligned(
+                                at[i].add(32 * S + 4 * kk) as *const i32,
+                            ));
+                            p[i] = _mm256_add_epi16(p[i], _mm256_maddubs_epi16(u, a));
                         }
                     }
-                    let d = _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(
-                        blk.add(208) as *const u16
-                    ) as i32));
                     for i in 0..N {
-                        // The −32 offset of every value, from the 16-element sums.
-                        let off = _mm256_madd_epi16(ld(bss[i].add(16 * b).cast()), sc16);
-                        let is = _mm256_sub_epi32(isum[i], _mm256_slli_epi32(off, 5));
-                        let f = _mm256_broadcastss_ps(_mm_mul_ps(
-                            d,
-                            _mm_set1_ps(*xs[i].d.get_unchecked(b)),
-                        ));
-                        acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(f, _mm256_cvtepi32_ps(is)));
+                        isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(p[i], sc));
                     }
                 }
             }
-            for i in 0..N {
-                // SAFETY: as above.
-                unsafe { _mm256_storeu_ps(accs[at + i].as_mut_ptr(), acc[i]) };
+        }
+    }
+
+    /// [`q6k_quarter`] for one activation row, all four quarters of half `h` at once: each
+    /// byte of the weights is loaded once and unpacked into the four quarters' values (fewer
+    /// instructions per weight byte, which is what a memory-bound single-row step needs).
+    ///
+    /// # Safety
+    /// As [`q6k_quarter`].
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn q6k_half_one(gb: *const u8, h: usize, at: *const u8, isum: &mut __m256i) {
+        use super::{Q6K_HALF, Q6K_QH, Q6K_QL, Q6K_SC};
+        let m4 = _mm256_set1_epi8(0x0F);
+        let m30 = _mm256_set1_epi8(0x30);
+        // SAFETY (every access below): inside the group block, or within the 128 values.
+        unsafe {
+            // Column kk's low bits of quarters 0 and 2, of quarters 1 and 3, and its top bits.
+            let qa_at = |kk: usize| gb.add(Q6K_QL + Q6K_HALF * h + 32 * kk);
+            let qb_at = |kk: usize| gb.add(Q6K_QL + Q6K_HALF * h + 32 * (8 + kk));
+            let qh_at = |kk: usize| gb.add(Q6K_QH + Q6K_HALF * h + 32 * kk);
+            for quad in 0..2 {
+                // Quarter s's sub-block here is 8h + 2s + quad.
+                let sc: [__m256i; 4] = std::array::from_fn(|s| {
+                    let j = 8 * h + 2 * s + quad;
+                    let pair = _mm_loadu_si128(gb.add(Q6K_SC + 16 * (j / 2)).cast());
+                    let sel = _mm_add_epi8(
+                        _mm_setr_epi8(0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10, 12, 12, 14, 14),
+                        _mm_set1_epi8(quad as i8),
+                    );
+                    _mm256_cvtepi8_epi16(_mm_shuffle_epi8(pair, sel))
+                });
+                for pair in 0..2 {
+                    let mut p = [_mm256_setzero_si256(); 4];
+                    for kk in 4 * quad + 2 * pair..4 * quad + 2 * pair + 2 {
+                        let (qa, qb, qh) = (ld(qa_at(kk)), ld(qb_at(kk)), ld(qh_at(kk)));
+                        if kk % 2 == 0 {
+                            // The three 64-byte lines these loads and the next column's are in.
+                            for q in [qa_at(kk), qb_at(kk), qh_at(kk)] {
+                                _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(STREAM_AHEAD).cast());
+                            }
+                        }
+                        let u = [
+                            _mm256_or_si256(
+                                _mm256_and_si256(qa, m4),
+                                _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30),
+                            ),
+                            _mm256_or_si256(
+                                _mm256_and_si256(qb, m4),
+                                _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30),
+                            ),
+                            _mm256_or_si256(
+                                _mm256_and_si256(_mm256_srli_epi16(qa, 4), m4),
+                                _mm256_and_si256(qh, m30),
+                            ),
+                            _mm256_or_si256(
+                                _mm256_and_si256(_mm256_srli_epi16(qb, 4), m4),
+                                _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30),
+                            ),
+                        ];
+                        for s in 0..4 {
+                            let a = _mm256_set1_epi32(std::ptr::read_unaligned(
+                                at.add(32 * s + 4 * kk) as *const i32,
+                            ));
+                            p[s] = _mm256_add_epi16(p[s], _mm256_maddubs_epi16(u[s], a));
+                        }
+                    }
+                    for s in 0..4 {
+                        *isum = _mm256_add_epi32(*isum, _mm256_madd_epi16(p[s], sc[s]));
+                    }
+                }
             }
         }
     }
@@ -637,7 +712,7 @@ mod tests {
         }
         match fmt {
             Format::Q4K => repack_q4k(&w, rows, cols),
-            _ => w,
+            _ => repack_q6k(&w, rows, cols),
         }
     }
 
@@ -701,7 +776,7 @@ mod tests {
             let qx = QuantK::quantize(&x);
             let exact: f64 = deq.iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();
             let norm: f64 = deq.iter().map(|a| a.abs() as f64).sum::<f64>() * 0.5;
-            let got = dot_scalar(fmt, &w, fmt.row_bytes(cols), 5, &qx) as f64;
+            let got = dot_scalar(fmt, &w, 5, &qx) as f64;
             assert!(
                 (exact - got).abs() < 0.01 * norm,
                 "{fmt:?}: {exact} vs {got}"

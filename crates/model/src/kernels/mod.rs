@@ -10,8 +10,8 @@
 //!
 //! A scalar reference defines each result; the AVX2 paths compute the same integers and the
 //! same float operations in the same order, so they equal it bit for bit (tests check this on
-//! random blocks). Weights are repacked on load so that eight rows are interleaved (all but
-//! Q6_K), which makes each SIMD lane one weight row.
+//! random blocks). Weights are repacked on load so that eight rows are interleaved, which makes
+//! each SIMD lane one weight row.
 //!
 //! A token's result never depends on which other rows share the pass: each loaded and unpacked
 //! weight block is reused for several activation rows (that is what makes small batches
