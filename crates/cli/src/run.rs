@@ -192,7 +192,7 @@ pub fn generate(
             Some(sp) => {
                 let k = sp
                     .tuner
-                    .choose(acceptance.rate())
+                    .choose(&acceptance)
                     .min(max_tokens - tokens.len() - 1);
                 let want = k + usize::from(sampling);
                 let u: Vec<f32> = (0..want as u64)

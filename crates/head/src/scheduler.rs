@@ -586,6 +586,9 @@ impl State {
     }
 }
 
+/// Undrafted steps after which a sequence whose drafts do not seem to pay drafts one anyway.
+const PROBE_EVERY: usize = 4;
+
 /// Proposals for a decoding sequence, at most `budget - 1` of them fed: as many as the tuner
 /// chooses (none when drafting does not pay, though it tries again now and then), within the
 /// tokens the request may still produce. A sampling sequence gets one more, for the row after
@@ -595,8 +598,11 @@ fn draft(sp: &mut Speculation, id: u64, s: &mut Seq, budget: usize) -> Vec<Propo
     let mut k = s
         .req
         .draft_k
-        .unwrap_or_else(|| sp.tuner.choose(s.acceptance.rate()));
-    if k == 0 && s.undrafted >= 16 && s.req.draft_k.is_none() {
+        .unwrap_or_else(|| sp.tuner.choose(&s.acceptance));
+    // Undrafted steps teach nothing about acceptance, so one rejection could stop drafting
+    // for the rest of a request: probe with one proposal every few steps (every 16 left the
+    // 0.5B drafter idle for 16 of 48 tokens after an early miss).
+    if k == 0 && s.undrafted >= PROBE_EVERY && s.req.draft_k.is_none() {
         k = 1;
     }
     let k = k.min(left).min(budget - 1);
