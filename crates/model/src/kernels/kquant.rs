@@ -340,6 +340,7 @@ pub fn matmul_rows_major(
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::{QuantK, MAX_ROWS, QK};
+    use crate::kernels::x86::{bcast4, fetch, ld};
     use crate::kernels::{Format, Isa};
     use std::arch::x86_64::*;
 
@@ -387,16 +388,6 @@ mod avx2 {
     /// How far ahead a single-row Q6_K pass fetches.
     const STREAM_AHEAD: usize = 4096;
 
-    /// Loads 32 bytes.
-    ///
-    /// # Safety
-    /// `p` points at 32 readable bytes.
-    #[inline(always)]
-    unsafe fn ld(p: *const u8) -> __m256i {
-        // SAFETY: per the contract.
-        unsafe { _mm256_loadu_si256(p.cast()) }
-    }
-
     /// Adds one group of eight interleaved Q4_K rows (`gw`: its blocks) against `xs[i]` to the
     /// row lanes `accs[i]`.
     ///
@@ -409,10 +400,6 @@ mod avx2 {
         let nb = xs[0].d.len();
         let qs: [*const u8; N] = std::array::from_fn(|i| xs[i].q.as_ptr().cast());
         let b32: [*const i16; N] = std::array::from_fn(|i| xs[i].bs32.as_ptr());
-        let bcast = |p: *const u8| {
-            // SAFETY: callers pass pointers to 4 readable bytes.
-            _mm256_set1_epi32(unsafe { std::ptr::read_unaligned(p as *const i32) })
-        };
         // SAFETY: `accs` has N entries of 8 floats.
         let mut acc: [__m256; N] =
             std::array::from_fn(|i| unsafe { _mm256_loadu_ps(accs[i].as_ptr()) });
@@ -421,10 +408,7 @@ mod avx2 {
             // blocks of 256 values and 8 sums (checked by the callers).
             unsafe {
                 let gb = gw.as_ptr().add(b * GB);
-                // The group's blocks are one sequential stream; fetch two blocks ahead.
-                for line in (0..GB).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T0>(gb.wrapping_add(2 * GB + line).cast());
-                }
+                fetch(gb.wrapping_add(2 * GB), GB);
                 let d = _mm256_cvtph_ps(_mm_loadu_si128(gb.cast()));
                 let dmin = _mm256_cvtph_ps(_mm_loadu_si128(gb.add(16).cast()));
                 let mut isum = [_mm256_setzero_si256(); N];
@@ -441,7 +425,7 @@ mod avx2 {
                             _mm256_and_si256(_mm256_srli_epi16(v, 4), m4)
                         };
                         for i in 0..N {
-                            let a = bcast(qs[i].add(b * QK + 64 * c + 32 * h + 4 * k));
+                            let a = bcast4(qs[i].add(b * QK + 64 * c + 32 * h + 4 * k));
                             // At most 8 · 2 · 15 · 127 = 30480: no i16 overflow.
                             p[i] = _mm256_add_epi16(p[i], _mm256_maddubs_epi16(u, a));
                         }
@@ -464,7 +448,7 @@ mod avx2 {
                     for jp in 0..4 {
                         let mv =
                             _mm256_cvtepu8_epi16(_mm_loadu_si128(gb.add(Q4K_MIN + 16 * jp).cast()));
-                        let bb = bcast(b32[i].add(8 * b + 2 * jp).cast());
+                        let bb = bcast4(b32[i].add(8 * b + 2 * jp).cast());
                         m = _mm256_add_epi32(m, _mm256_madd_epi16(mv, bb));
                     }
                     let dx = _mm256_set1_ps(*xs[i].d.get_unchecked(b));
@@ -493,10 +477,6 @@ mod avx2 {
         let nb = xs[0].d.len();
         let qs: [*const u8; N] = std::array::from_fn(|i| xs[i].q.as_ptr().cast());
         let bss: [*const i16; N] = std::array::from_fn(|i| xs[i].bs.as_ptr());
-        let bcast = |p: *const u8| {
-            // SAFETY: callers pass pointers to 4 readable bytes.
-            _mm256_set1_epi32(unsafe { std::ptr::read_unaligned(p as *const i32) })
-        };
         // SAFETY: `accs` has N entries of 8 floats.
         let mut acc: [__m256; N] =
             std::array::from_fn(|i| unsafe { _mm256_loadu_ps(accs[i].as_ptr()) });
@@ -509,13 +489,9 @@ mod avx2 {
                 // ahead as it goes (this is the scales' part); a whole block's fetches in one
                 // burst, as for more rows, left the single-row pass about 15% slower from DRAM.
                 if N == 1 {
-                    for line in (0..Q6K_QL).step_by(64) {
-                        _mm_prefetch::<_MM_HINT_T0>(gb.wrapping_add(STREAM_AHEAD + line).cast());
-                    }
+                    fetch(gb.wrapping_add(STREAM_AHEAD), Q6K_QL);
                 } else {
-                    for line in (0..GB).step_by(64) {
-                        _mm_prefetch::<_MM_HINT_T0>(gb.wrapping_add(2 * GB + line).cast());
-                    }
+                    fetch(gb.wrapping_add(2 * GB), GB);
                 }
                 let d = _mm256_cvtph_ps(_mm_loadu_si128(gb.cast()));
                 let mut isum = [_mm256_setzero_si256(); N];
@@ -536,7 +512,7 @@ mod avx2 {
                     for jp in 0..8 {
                         let sv =
                             _mm256_cvtepi8_epi16(_mm_loadu_si128(gb.add(Q6K_SC + 16 * jp).cast()));
-                        let bb = bcast(bss[i].add(16 * b + 2 * jp).cast());
+                        let bb = bcast4(bss[i].add(16 * b + 2 * jp).cast());
                         off = _mm256_add_epi32(off, _mm256_madd_epi16(sv, bb));
                     }
                     let is = _mm256_sub_epi32(isum[i], _mm256_slli_epi32(off, 5));
@@ -549,6 +525,50 @@ mod avx2 {
         for i in 0..N {
             // SAFETY: as above.
             unsafe { _mm256_storeu_ps(accs[i].as_mut_ptr(), acc[i]) };
+        }
+    }
+
+    /// Sub-block `j`'s scale of every row of a Q6_K group block `gb`, as i16, twice over (for
+    /// both i16 lanes of a row's `maddubs` sums).
+    ///
+    /// # Safety
+    /// `gb` is a whole group block; the caller runs with AVX2.
+    #[inline(always)]
+    unsafe fn q6k_scale(gb: *const u8, j: usize) -> __m256i {
+        // SAFETY: per the contract; the pair of sub-blocks' 16 bytes is inside the block.
+        unsafe {
+            let pair = _mm_loadu_si128(gb.add(super::Q6K_SC + 16 * (j / 2)).cast());
+            let sel = _mm_add_epi8(
+                _mm_setr_epi8(0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10, 12, 12, 14, 14),
+                _mm_set1_epi8((j % 2) as i8),
+            );
+            _mm256_cvtepi8_epi16(_mm_shuffle_epi8(pair, sel))
+        }
+    }
+
+    /// Quarter `s`'s unsigned 6-bit values of one 4-byte column: the low (s < 2) or high nibbles
+    /// of `ql` (the column's low bits for quarters `s % 2` and `s % 2 + 2`) with bits `2s` and
+    /// `2s + 1` of `qh` on top.
+    ///
+    /// # Safety
+    /// The caller runs with AVX2.
+    #[inline(always)]
+    unsafe fn q6k_unpack(s: usize, ql: __m256i, qh: __m256i) -> __m256i {
+        // SAFETY: register operations only.
+        unsafe {
+            let m4 = _mm256_set1_epi8(0x0F);
+            let lo = if s < 2 {
+                _mm256_and_si256(ql, m4)
+            } else {
+                _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4)
+            };
+            let hi = match s {
+                0 => _mm256_slli_epi16(qh, 4),
+                1 => _mm256_slli_epi16(qh, 2),
+                2 => qh,
+                _ => _mm256_srli_epi16(qh, 2),
+            };
+            _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi8(0x30)))
         }
     }
 
@@ -566,20 +586,11 @@ mod avx2 {
         at: [*const u8; N],
         isum: &mut [__m256i; N],
     ) {
-        use super::{Q6K_HALF, Q6K_QH, Q6K_QL, Q6K_SC};
-        let m4 = _mm256_set1_epi8(0x0F);
-        let m30 = _mm256_set1_epi8(0x30);
+        use super::{Q6K_HALF, Q6K_QH, Q6K_QL};
         for jj in 0..2 {
-            let j = 8 * h + 2 * S + jj;
             // SAFETY (every access below): inside the group block, or within the 128 values.
             unsafe {
-                // Sub-block j's scale of every row, twice over (for both i16 lanes of a row).
-                let pair = _mm_loadu_si128(gb.add(Q6K_SC + 16 * (j / 2)).cast());
-                let sel = _mm_add_epi8(
-                    _mm_setr_epi8(0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10, 12, 12, 14, 14),
-                    _mm_set1_epi8(jj as i8),
-                );
-                let sc = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(pair, sel));
+                let sc = q6k_scale(gb, 8 * h + 2 * S + jj);
                 // Two pairs of 4-byte columns: an i16 sum of two products of at most
                 // 2 · 63 · 127 each stays below 32768.
                 for kp in 0..2 {
@@ -587,22 +598,9 @@ mod avx2 {
                     for kk in 4 * jj + 2 * kp..4 * jj + 2 * kp + 2 {
                         let ql = ld(gb.add(Q6K_QL + Q6K_HALF * h + 32 * (8 * (S % 2) + kk)));
                         let qh = ld(gb.add(Q6K_QH + Q6K_HALF * h + 32 * kk));
-                        let lo = if S < 2 {
-                            _mm256_and_si256(ql, m4)
-                        } else {
-                            _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4)
-                        };
-                        let hi = match S {
-                            0 => _mm256_slli_epi16(qh, 4),
-                            1 => _mm256_slli_epi16(qh, 2),
-                            2 => qh,
-                            _ => _mm256_srli_epi16(qh, 2),
-                        };
-                        let u = _mm256_or_si256(lo, _mm256_and_si256(hi, m30));
+                        let u = q6k_unpack(S, ql, qh);
                         for i in 0..N {
-                            let a = _mm256_set1_epi32(std::ptr::read_unaligned(
-                                at[i].add(32 * S + 4 * kk) as *const i32,
-                            ));
+                            let a = bcast4(at[i].add(32 * S + 4 * kk));
                             p[i] = _mm256_add_epi16(p[i], _mm256_maddubs_epi16(u, a));
                         }
                     }
@@ -623,9 +621,7 @@ mod avx2 {
     #[inline]
     #[target_feature(enable = "avx2")]
     unsafe fn q6k_half_one(gb: *const u8, h: usize, at: *const u8, isum: &mut __m256i) {
-        use super::{Q6K_HALF, Q6K_QH, Q6K_QL, Q6K_SC};
-        let m4 = _mm256_set1_epi8(0x0F);
-        let m30 = _mm256_set1_epi8(0x30);
+        use super::{Q6K_HALF, Q6K_QH, Q6K_QL};
         // SAFETY (every access below): inside the group block, or within the 128 values.
         unsafe {
             // Column kk's low bits of quarters 0 and 2, of quarters 1 and 3, and its top bits.
@@ -634,15 +630,7 @@ mod avx2 {
             let qh_at = |kk: usize| gb.add(Q6K_QH + Q6K_HALF * h + 32 * kk);
             for quad in 0..2 {
                 // Quarter s's sub-block here is 8h + 2s + quad.
-                let sc: [__m256i; 4] = std::array::from_fn(|s| {
-                    let j = 8 * h + 2 * s + quad;
-                    let pair = _mm_loadu_si128(gb.add(Q6K_SC + 16 * (j / 2)).cast());
-                    let sel = _mm_add_epi8(
-                        _mm_setr_epi8(0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10, 12, 12, 14, 14),
-                        _mm_set1_epi8(quad as i8),
-                    );
-                    _mm256_cvtepi8_epi16(_mm_shuffle_epi8(pair, sel))
-                });
+                let sc: [__m256i; 4] = std::array::from_fn(|s| q6k_scale(gb, 8 * h + 2 * s + quad));
                 for pair in 0..2 {
                     let mut p = [_mm256_setzero_si256(); 4];
                     for kk in 4 * quad + 2 * pair..4 * quad + 2 * pair + 2 {
@@ -650,31 +638,17 @@ mod avx2 {
                         if kk % 2 == 0 {
                             // The three 64-byte lines these loads and the next column's are in.
                             for q in [qa_at(kk), qb_at(kk), qh_at(kk)] {
-                                _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(STREAM_AHEAD).cast());
+                                fetch(q.wrapping_add(STREAM_AHEAD), 1);
                             }
                         }
                         let u = [
-                            _mm256_or_si256(
-                                _mm256_and_si256(qa, m4),
-                                _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30),
-                            ),
-                            _mm256_or_si256(
-                                _mm256_and_si256(qb, m4),
-                                _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30),
-                            ),
-                            _mm256_or_si256(
-                                _mm256_and_si256(_mm256_srli_epi16(qa, 4), m4),
-                                _mm256_and_si256(qh, m30),
-                            ),
-                            _mm256_or_si256(
-                                _mm256_and_si256(_mm256_srli_epi16(qb, 4), m4),
-                                _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30),
-                            ),
+                            q6k_unpack(0, qa, qh),
+                            q6k_unpack(1, qb, qh),
+                            q6k_unpack(2, qa, qh),
+                            q6k_unpack(3, qb, qh),
                         ];
                         for s in 0..4 {
-                            let a = _mm256_set1_epi32(std::ptr::read_unaligned(
-                                at.add(32 * s + 4 * kk) as *const i32,
-                            ));
+                            let a = bcast4(at.add(32 * s + 4 * kk));
                             p[s] = _mm256_add_epi16(p[s], _mm256_maddubs_epi16(u[s], a));
                         }
                     }

@@ -21,6 +21,43 @@ pub mod formats;
 pub mod kquant;
 pub mod q32;
 
+/// Loads, broadcasts and fetches the AVX2 kernels of every format share. Each is inlined into
+/// a caller compiled with AVX2 (never called from anywhere else).
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// Loads 32 bytes.
+    ///
+    /// # Safety
+    /// `p` points at 32 readable bytes; the caller runs with AVX.
+    #[inline(always)]
+    pub unsafe fn ld(p: *const u8) -> __m256i {
+        // SAFETY: per the contract.
+        unsafe { _mm256_loadu_si256(p.cast()) }
+    }
+
+    /// The 4 bytes at `p` (four activation values) in every 32-bit lane.
+    ///
+    /// # Safety
+    /// `p` points at 4 readable bytes; the caller runs with AVX.
+    #[inline(always)]
+    pub unsafe fn bcast4(p: *const u8) -> __m256i {
+        // SAFETY: per the contract.
+        unsafe { _mm256_set1_epi32(std::ptr::read_unaligned(p as *const i32)) }
+    }
+
+    /// Fetches the `len` bytes from `p` into the cache (a group's blocks are one sequential
+    /// stream; callers fetch ahead of the block in hand).
+    #[inline(always)]
+    pub fn fetch(p: *const u8, len: usize) {
+        for line in (0..len).step_by(64) {
+            // SAFETY: a prefetch is a hint; it never faults or reads into the program.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(line).cast()) };
+        }
+    }
+}
+
 pub use formats::Format;
 pub use kquant::QuantK;
 pub use q32::Quant32;

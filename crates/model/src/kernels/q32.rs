@@ -232,6 +232,7 @@ pub fn matmul_rows_major(
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::{group_bytes, Quant32, MAX_ROWS, QB, ROWS};
+    use crate::kernels::x86::{bcast4, fetch, ld};
     use crate::kernels::{Format, Isa};
     use std::arch::x86_64::*;
 
@@ -281,16 +282,6 @@ mod avx2 {
     /// How far ahead of the group block in hand the weights are fetched.
     const AHEAD: usize = 2048;
 
-    /// Loads 32 bytes.
-    ///
-    /// # Safety
-    /// `p` points at 32 readable bytes.
-    #[inline(always)]
-    unsafe fn ld(p: *const u8) -> __m256i {
-        // SAFETY: per the contract.
-        unsafe { _mm256_loadu_si256(p.cast()) }
-    }
-
     /// Adds one group of eight interleaved rows (`gw`: its blocks) against `xs[i]` to the row
     /// lanes `accs[i]`.
     ///
@@ -316,15 +307,10 @@ mod avx2 {
             // `nb` blocks (checked by the caller).
             unsafe {
                 let gb = gw.as_ptr().add(b * gbytes);
-                // The groups' blocks are one sequential stream.
-                for line in (0..gbytes).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T0>(gb.wrapping_add(AHEAD + line).cast());
-                }
+                fetch(gb.wrapping_add(AHEAD), gbytes);
                 // Four activation values of row `i` from element `e` of this block, in every
                 // lane.
-                let act = |i: usize, e: usize| {
-                    _mm256_set1_epi32(std::ptr::read_unaligned(qs[i].add(b * QB + e) as *const i32))
-                };
+                let act = |i: usize, e: usize| bcast4(qs[i].add(b * QB + e));
                 let mut isum = [_mm256_setzero_si256(); N];
                 if F == Q8_0 {
                     for k in 0..8 {
