@@ -251,6 +251,9 @@ const POSITIONS: usize = 16;
 /// How many steps' worth the pooled rate counts for in each position's estimate.
 const SHRINK: f64 = 2.0;
 
+/// How fast a sequence's acceptance counts fade (per step).
+const FADE: f64 = 0.8;
+
 /// A sequence's record of its proposals: totals (for usage reports) and decayed estimates of
 /// how likely proposals are accepted (for the tuner), pooled and position by position.
 #[derive(Debug, Clone, Copy, Default)]
@@ -281,11 +284,11 @@ impl Acceptance {
         self.drafted += proposals.len();
         self.accepted += hits;
         if verified > 0 {
-            self.verified_ema = 0.8 * self.verified_ema + verified as f64;
-            self.accepted_ema = 0.8 * self.accepted_ema + hits as f64;
+            self.verified_ema = FADE * self.verified_ema + verified as f64;
+            self.accepted_ema = FADE * self.accepted_ema + hits as f64;
             for j in 0..POSITIONS {
-                self.reached[j] *= 0.8;
-                self.passed[j] *= 0.8;
+                self.reached[j] *= FADE;
+                self.passed[j] *= FADE;
                 if j < verified && j <= prefix {
                     self.reached[j] += 1.0;
                     self.passed[j] += f64::from(u8::from(j < prefix));

@@ -433,15 +433,10 @@ impl State {
             );
         }
         let stage_us: Vec<u64> = r.timings.iter().map(|t| t.compute_us).collect();
-        tracing::debug!(
-            rows = f.rows,
-            total_us = f.sent.elapsed().as_micros() as u64,
-            ?stage_us,
-            "step done"
-        );
+        let total_us = f.sent.elapsed().as_micros() as u64;
+        tracing::debug!(rows = f.rows, total_us, ?stage_us, "step done");
         if let Some(sp) = &mut self.spec {
-            sp.tuner
-                .observe_step(f.rows, f.sent.elapsed().as_micros() as f64);
+            sp.tuner.observe_step(f.rows, total_us as f64);
         }
         let mut ended = Vec::new();
         for fed in &f.seqs {
