@@ -44,6 +44,9 @@ pub struct SpecArgs {
     /// Values of k, comma-separated; `auto` adapts.
     #[arg(long, default_value = "0,1,2,3,4,6,8,10,auto")]
     pub ks: String,
+    /// A draft model scores this many of the most common tokens (as `--draft-vocab`).
+    #[arg(long, default_value_t = crate::spec::DraftArgs::default().draft_vocab)]
+    pub draft_vocab: usize,
     /// Tokens generated per prompt (at most; greedy, stopping at end of sequence).
     #[arg(long, default_value_t = 96)]
     pub gen_tokens: usize,
@@ -650,6 +653,7 @@ fn spec(a: SpecArgs) -> Result<()> {
     for drafter in a.drafters.split(',').map(str::trim) {
         let draft = crate::spec::DraftArgs {
             draft: Some(drafter.to_string()),
+            draft_vocab: a.draft_vocab,
             ..Default::default()
         };
         let bench = BenchRing::start(
@@ -711,6 +715,7 @@ fn spec(a: SpecArgs) -> Result<()> {
     }
     let out = serde_json::json!({
         "model": a.model, "gen_tokens": a.gen_tokens, "prompts": SPEC_PROMPTS.len(),
+        "draft_vocab": a.draft_vocab,
         "baseline_tok_s": baselines.first().copied().unwrap_or(0.0), "runs": runs,
     });
     print_result(&out, a.json)

@@ -22,6 +22,11 @@ pub struct DraftArgs {
     /// With `--draft-k auto`: the most tokens drafted per step.
     #[arg(long, default_value_t = 10)]
     pub draft_max: usize,
+    /// A draft model scores only this many of the most common tokens (the lowest ids) and
+    /// the ones the sequence has already seen, skipping most of its output layer; 0 scores
+    /// them all. Proposals change, never the output: the model verifies every one.
+    #[arg(long, default_value_t = 32768)]
+    pub draft_vocab: usize,
 }
 
 impl Default for DraftArgs {
@@ -30,6 +35,7 @@ impl Default for DraftArgs {
             draft: None,
             draft_k: "auto".into(),
             draft_max: 10,
+            draft_vocab: 32768,
         }
     }
 }
@@ -68,8 +74,9 @@ impl DraftArgs {
             .load_stages(Some(1), threads, true)?
             .pop()
             .context("the draft model has no stage")?;
-        let m =
-            DraftModel::new(stage, &text.tokenizer, target, model).map_err(anyhow::Error::msg)?;
+        let m = DraftModel::new(stage, &text.tokenizer, target, model)
+            .map_err(anyhow::Error::msg)?
+            .with_vocab(self.draft_vocab);
         Ok(Some(if ngram {
             Drafter::Both(Box::new(m))
         } else {

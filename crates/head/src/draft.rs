@@ -8,7 +8,7 @@ use std::fmt;
 
 use pipeshard_generate::{Dist, SamplingParams, Tokenizer};
 use pipeshard_model::{
-    KvStore, LogitsWanted, SeqId, SeqStep, Stage, StageInput, StageOutput, StepBatch,
+    KvStore, LogitsWanted, SeqId, SeqStep, Stage, StageInput, StageOutput, StepBatch, Vocab,
 };
 
 /// The longest and shortest suffix an n-gram lookup matches.
@@ -18,6 +18,9 @@ const NGRAM_MIN: usize = 2;
 const DRAFT_TOP_K: usize = 16;
 /// Longest prompt piece a draft model ingests in one forward pass.
 const DRAFT_CHUNK: usize = 256;
+/// Longest prompt piece it ingests in one forward pass while drafting ahead, so that the
+/// scheduler, wanting the drafter, waits for at most that much (~0.2 s for the 0.5B).
+pub const AHEAD_FEED: usize = 16;
 
 /// One proposed token and the distribution it was drawn from (`None`: proposed with
 /// certainty).
@@ -53,6 +56,23 @@ pub struct DraftModel {
     /// Tokens fed through the model so far (all sequences).
     fed: usize,
     name: String,
+    /// Score only ids below this, and the context's own tokens (`None`: the whole vocabulary).
+    common: Option<usize>,
+    /// Per sequence, its greedy choices remembered.
+    chains: HashMap<u64, Chain>,
+}
+
+/// Greedy choices of a draft model: `tokens[i]` is its choice after `tokens[..i]`, for every
+/// `i` from `from` on.
+#[derive(Debug, Default)]
+struct Chain {
+    from: usize,
+    tokens: Vec<u32>,
+}
+
+/// How many leading tokens `a` and `b` share.
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
 impl DraftModel {
@@ -80,29 +100,52 @@ impl DraftModel {
             cached: HashMap::new(),
             fed: 0,
             name: name.to_string(),
+            common: None,
+            chains: HashMap::new(),
         })
     }
 
-    /// Logits for the position after `context`, after feeding the cache what it lacks.
-    fn next_logits(&mut self, seq: u64, context: &[u32]) -> Option<Vec<f32>> {
+    /// Proposes only among the `common` lowest ids and the tokens already in the context
+    /// (see [`Vocab`]); 0 scores the whole vocabulary.
+    pub fn with_vocab(mut self, common: usize) -> Self {
+        self.common = (common > 0 && common < self.stage.config().vocab).then_some(common);
+        self
+    }
+
+    /// Tokens of `context` the cache lacks (after cutting it back to what they share).
+    fn missing(&self, seq: u64, context: &[u32]) -> usize {
+        let cached = self.cached.get(&seq).map_or(&[][..], |c| &c[..]);
+        context.len() - common_prefix(cached, context)
+    }
+
+    /// Feeds the cache at most `max` more tokens of `context`, first cutting it back to what
+    /// it shares with `context`; returns the logits after `context` once its last token has
+    /// been fed (fed again if the cache already held it: its logits are not kept). `None`
+    /// also when the model fails or `context` does not fit.
+    fn feed(&mut self, seq: u64, context: &[u32], max: usize) -> Option<Vec<f32>> {
         if context.is_empty() || context.len() > self.stage.config().ctx_len {
             return None;
         }
         let cached = self.cached.entry(seq).or_default();
-        let mut common = cached
-            .iter()
-            .zip(context)
-            .take_while(|(a, b)| a == b)
-            .count();
-        // The last token is fed again when the cache already holds all of it: its logits are
-        // not kept.
-        if common == context.len() {
-            common -= 1;
-        }
+        let mut common = common_prefix(cached, context).min(context.len() - 1);
         cached.truncate(common);
+        let vocab = self.common.map(|below| {
+            let mut extra: Vec<u32> = context
+                .iter()
+                .copied()
+                .filter(|&t| t as usize >= below)
+                .collect();
+            extra.sort_unstable();
+            extra.dedup();
+            Vocab {
+                common: below,
+                extra,
+            }
+        });
         let mut logits = None;
-        while common < context.len() {
-            let n = (context.len() - common).min(DRAFT_CHUNK);
+        let end = context.len().min(common.saturating_add(max));
+        while common < end {
+            let n = (end - common).min(DRAFT_CHUNK);
             let last = common + n == context.len();
             let batch = StepBatch {
                 seqs: vec![SeqStep {
@@ -117,7 +160,10 @@ impl DraftModel {
                 }],
                 input: StageInput::Tokens(context[common..common + n].to_vec()),
             };
-            match self.stage.forward(&batch, &mut self.kv) {
+            match self
+                .stage
+                .forward_scoring(&batch, &mut self.kv, vocab.as_ref())
+            {
                 Ok(StageOutput::Logits(l)) if last => {
                     logits = l.into_iter().next().map(|l| l.row(0).to_vec());
                 }
@@ -135,8 +181,41 @@ impl DraftModel {
         logits
     }
 
+    /// Logits for the position after `context`, after feeding the cache what it lacks.
+    fn next_logits(&mut self, seq: u64, context: &[u32]) -> Option<Vec<f32>> {
+        self.feed(seq, context, usize::MAX)
+    }
+
+    /// The greedy choice after `context`: remembered if drafted before (drafting ahead
+    /// guesses a step's outcome, and the guess is right when every proposal is accepted and
+    /// the target's next token is the draft's own), else computed and remembered.
+    fn next_greedy(&mut self, seq: u64, context: &[u32]) -> Option<u32> {
+        if let Some(chain) = self.chains.get(&seq) {
+            if context.len() >= chain.from
+                && context.len() < chain.tokens.len()
+                && chain.tokens.starts_with(context)
+            {
+                return Some(chain.tokens[context.len()]);
+            }
+        }
+        let token = pipeshard_model::batch::argmax(&self.next_logits(seq, context)?);
+        let chain = self.chains.entry(seq).or_default();
+        if chain.tokens.len() >= context.len()
+            && context.len() >= chain.from
+            && chain.tokens.starts_with(context)
+        {
+            chain.tokens.truncate(context.len());
+        } else {
+            chain.tokens = context.to_vec();
+            chain.from = context.len();
+        }
+        chain.tokens.push(token);
+        Some(token)
+    }
+
     fn release(&mut self, seq: u64) {
         self.cached.remove(&seq);
+        self.chains.remove(&seq);
         self.kv.release(SeqId(seq));
     }
 }
@@ -202,15 +281,15 @@ impl Drafter {
             let p = match (gram, &mut *self) {
                 (Some(token), _) => Proposal { token, q: None },
                 (None, Self::Model(m) | Self::Both(m)) => {
-                    let Some(logits) = m.next_logits(seq, &ctx) else {
-                        break;
-                    };
                     if params.temperature <= 0.0 {
-                        Proposal {
-                            token: pipeshard_model::batch::argmax(&logits),
-                            q: None,
-                        }
+                        let Some(token) = m.next_greedy(seq, &ctx) else {
+                            break;
+                        };
+                        Proposal { token, q: None }
                     } else {
+                        let Some(logits) = m.next_logits(seq, &ctx) else {
+                            break;
+                        };
                         let q = Dist::new(params, &logits).top(DRAFT_TOP_K);
                         Proposal {
                             token: q.pick(uniforms.get(i).copied().unwrap_or(0.0)),
@@ -224,6 +303,52 @@ impl Drafter {
             out.push(p);
         }
         out
+    }
+
+    /// One piece of drafting ahead after `context`, taken as accepted: feeds the draft model
+    /// at most [`AHEAD_FEED`] of its tokens, or drafts one greedy proposal and appends it.
+    /// `false` when there is nothing to do (no draft model, nothing to propose).
+    pub fn ahead_piece(&mut self, seq: u64, context: &mut Vec<u32>, greedy: bool) -> bool {
+        let (Self::Model(m) | Self::Both(m)) = self else {
+            return false;
+        };
+        if context.is_empty() || context.len() > m.stage.config().ctx_len {
+            return false;
+        }
+        if m.missing(seq, context) > AHEAD_FEED {
+            let before = m.fed;
+            m.feed(seq, context, AHEAD_FEED);
+            return m.fed > before;
+        }
+        if !greedy {
+            // A sampling draft's choices depend on its draws: only its cache is kept current.
+            if m.missing(seq, context) > 0 {
+                m.feed(seq, context, AHEAD_FEED);
+            }
+            return false;
+        }
+        match self
+            .propose(seq, context, 1, &SamplingParams::default(), &[])
+            .pop()
+        {
+            Some(p) => {
+                context.push(p.token);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Moves a draft model's work to threads of the lowest priority on any core (see
+    /// [`crate::lookahead`]); `false` when there is no draft model.
+    pub fn use_idle_cores(&mut self) -> bool {
+        let (Self::Model(m) | Self::Both(m)) = self else {
+            return false;
+        };
+        if let Some(pool) = crate::lookahead::idle_pool(m.stage.threads()) {
+            m.stage.set_thread_pool(std::sync::Arc::new(pool));
+        }
+        true
     }
 
     /// Forgets a sequence.
@@ -469,7 +594,7 @@ impl Tuner {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     #[test]
@@ -672,6 +797,59 @@ mod tests {
         assert!(tv < 0.05, "total variation {tv}");
         // The draft is not the target: some proposals were rejected, some accepted.
         assert!(accepted > 0 && accepted < n, "{accepted}");
+    }
+
+    /// A whole tiny model as a drafter for itself (same tokenizer).
+    pub(crate) fn tiny_drafter(dir: &std::path::Path, common: usize) -> Drafter {
+        use pipeshard_generate::TextModel;
+        use pipeshard_model::gguf::GgufFile;
+        use pipeshard_testkit::{tiny_model, Flavour};
+        let path = tiny_model(dir, Flavour::Llama, 2);
+        let text = TextModel::from_gguf(&GgufFile::open(&path).unwrap().content).unwrap();
+        let stage = Stage::load(&path, None).unwrap();
+        let m = DraftModel::new(stage, &text.tokenizer, &text.tokenizer, "tiny").unwrap();
+        Drafter::Model(Box::new(m.with_vocab(common)))
+    }
+
+    fn greedy(d: &mut Drafter, context: &[u32], k: usize) -> Vec<u32> {
+        d.propose(1, context, k, &SamplingParams::default(), &[])
+            .into_iter()
+            .map(|p| p.token)
+            .collect()
+    }
+
+    #[test]
+    fn drafting_ahead_remembers_exactly_what_drafting_would_propose() {
+        let tmp = tempfile::tempdir().unwrap();
+        let prompt: Vec<u32> = (0..40).map(|i| 100 + (i * 7) % 50).collect();
+        for common in [0, 64] {
+            let mut ahead = tiny_drafter(tmp.path(), common);
+            // Read the prompt in pieces, then draft five past it.
+            let mut ctx = prompt.clone();
+            let mut pieces = 0;
+            while ctx.len() < prompt.len() + 5 {
+                assert!(ahead.ahead_piece(1, &mut ctx, true));
+                pieces += 1;
+            }
+            assert!(pieces > 5, "the prompt is read a piece at a time");
+            let chain = ctx[prompt.len()..].to_vec();
+            assert_eq!(
+                greedy(&mut tiny_drafter(tmp.path(), common), &prompt, 5),
+                chain
+            );
+            // The target chose the draft's first two: the next three cost no forward pass.
+            let mut hit = prompt.clone();
+            hit.extend(&chain[..2]);
+            let fed = ahead.fed();
+            assert_eq!(greedy(&mut ahead, &hit, 3), chain[2..]);
+            assert_eq!(ahead.fed(), fed);
+            // It chose another second token: computed afresh, the same as without the chain.
+            let mut miss = prompt.clone();
+            miss.extend([chain[0], chain[1] ^ 1]);
+            let want = greedy(&mut tiny_drafter(tmp.path(), common), &miss, 3);
+            assert_eq!(greedy(&mut ahead, &miss, 3), want);
+            assert!(ahead.fed() > fed);
+        }
     }
 
     #[test]

@@ -6,6 +6,7 @@
 //! receiver cancels the request, and its KV caches are released on every stage.
 
 pub mod draft;
+pub mod lookahead;
 pub mod ring;
 mod scheduler;
 
@@ -331,7 +332,7 @@ pub async fn start(
         tracing::info!(drafter = %d, k = ?config.draft_k, "speculative decoding");
     }
     let spec = local.drafter.map(|drafter| scheduler::Speculation {
-        drafter,
+        drafter: lookahead::Lookahead::new(drafter),
         tuner: draft::Tuner::new(config.draft_k, config.draft_max),
     });
     let state = scheduler::State::new(

@@ -17,7 +17,8 @@ use pipeshard_stage::Worker;
 use pipeshard_wire::pb::{self, frame::Kind};
 use tokio::sync::{mpsc, watch};
 
-use crate::draft::{Acceptance, Drafter, Proposal, Tuner};
+use crate::draft::{Acceptance, Proposal, Tuner};
+use crate::lookahead::Lookahead;
 use crate::{GenEvent, GenRequest, HeadConfig, RingStatus, ServedModel, Usage};
 
 /// KV bytes a request needs on each stage (`budgets`: per stage, budget and bytes per
@@ -90,7 +91,7 @@ struct InFlight {
 
 /// Speculative decoding at the head: the drafter and the choice of `k`.
 pub(crate) struct Speculation {
-    pub drafter: Drafter,
+    pub drafter: Lookahead,
     pub tuner: Tuner,
 }
 
@@ -385,6 +386,9 @@ impl State {
                     s.req.prompt[s.fed..s.fed + n].to_vec()
                 }
             };
+            if let Some(sp) = &self.spec {
+                draft_ahead(sp, id, s, &tokens, seq_step.output);
+            }
             rows += tokens.len();
             seq_step.n = tokens.len() as u32;
             seq_step.sampling = Some(sampling);
@@ -618,16 +622,44 @@ fn draft(sp: &mut Speculation, id: u64, s: &mut Seq, budget: usize) -> Vec<Propo
     let draws: Vec<f32> = (0..want as u64)
         .map(|i| s.draws.uniform(g + i, Lane::Draft))
         .collect();
-    let (started, fed) = (std::time::Instant::now(), sp.drafter.fed());
-    let proposals = sp
-        .drafter
-        .propose(id, &s.context, want, &s.req.sampling, &draws);
-    sp.tuner.observe_draft(
-        proposals.len(),
-        sp.drafter.fed() - fed,
-        started.elapsed().as_micros() as f64,
-    );
+    let started = std::time::Instant::now();
+    let (proposals, fed) = sp.drafter.with(id, |d| {
+        let fed = d.fed();
+        let p = d.propose(id, &s.context, want, &s.req.sampling, &draws);
+        (p, d.fed() - fed)
+    });
+    sp.tuner
+        .observe_draft(proposals.len(), fed, started.elapsed().as_micros() as f64);
     proposals
+}
+
+/// Has the drafter work ahead while a step of sequence `s` is in the ring: after a prompt
+/// chunk, reading the prompt (and, for the last chunk, drafting past the target's first
+/// token, guessing it is the draft's own); after proposals, drafting past them and the token
+/// after them, guessing all are accepted. `tokens` are the step's inputs for `s`.
+fn draft_ahead(sp: &Speculation, id: u64, s: &Seq, tokens: &[u32], output: i32) {
+    let greedy = s.req.sampling.temperature <= 0.0;
+    let left = s.req.max_tokens.saturating_sub(s.generated + 1);
+    let k = s
+        .req
+        .draft_k
+        .unwrap_or_else(|| sp.tuner.choose(&s.acceptance))
+        .min(left);
+    let (context, n) = match s.next_input {
+        // A decode step: proposals go after its inputs.
+        Some(_) if output == pb::Output::All as i32 => {
+            let mut c = s.context.clone();
+            c.extend_from_slice(&tokens[1..]);
+            (c, k + 1)
+        }
+        Some(_) => return,
+        // The prompt's last chunk: the first token, then the proposals after it.
+        None if output == pb::Output::Last as i32 => (s.context.clone(), k + 1),
+        None => (s.req.prompt[..s.fed + tokens.len()].to_vec(), 0),
+    };
+    if k > 0 || n == 0 {
+        sp.drafter.ahead(id, context, n, greedy);
+    }
 }
 
 /// The state's next step; a drafter computes while building it, so the runtime is told to move
@@ -994,7 +1026,7 @@ mod speculation_tests {
     #[test]
     fn proposals_are_verified_and_rejected_ones_rolled_back() {
         let spec = Speculation {
-            drafter: Drafter::Ngram,
+            drafter: Lookahead::new(crate::draft::Drafter::Ngram),
             tuner: Tuner::new(Some(3), 3),
         };
         let mut st = state_with(64, 1, Some(spec));
@@ -1036,7 +1068,7 @@ mod speculation_tests {
     #[test]
     fn usage_counts_drafted_and_accepted_tokens_and_k_respects_max_tokens() {
         let spec = Speculation {
-            drafter: Drafter::Ngram,
+            drafter: Lookahead::new(crate::draft::Drafter::Ngram),
             tuner: Tuner::new(Some(8), 8),
         };
         let mut st = state_with(64, 1, Some(spec));

@@ -28,7 +28,7 @@ pub use config::{Arch, ModelConfig};
 pub use error::ModelError;
 pub use kv::KvStore;
 pub use local::LocalPipeline;
-pub use stage::Stage;
+pub use stage::{Stage, Vocab};
 
 /// Result type of this crate.
 pub type Result<T, E = ModelError> = std::result::Result<T, E>;

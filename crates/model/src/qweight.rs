@@ -297,6 +297,23 @@ impl QWeight {
         self.matmul_with(xs, n, out, Isa::detect());
     }
 
+    /// [`QWeight::matmul`] over the first `rows` output rows only (`out` is `[n, rows]`), each
+    /// computed as in the whole matmul; `rows` is a multiple of 8 (the interleaved layouts'
+    /// group) or all of them. A draft model's head scores its most common tokens this way.
+    pub fn matmul_first(&self, xs: &[f32], n: usize, rows: usize, out: &mut [f32]) {
+        assert!(
+            rows == self.rows || (rows < self.rows && rows.is_multiple_of(8)),
+            "matmul_first: {rows} of {} rows",
+            self.rows
+        );
+        assert_eq!(xs.len(), n * self.cols, "matmul input shape");
+        assert_eq!(out.len(), n * rows, "matmul output shape");
+        if n > 0 {
+            self.blocks
+                .matmul(rows, self.cols, xs, n, out, Isa::detect());
+        }
+    }
+
     /// [`QWeight::matmul`] with a chosen instruction set (tests compare them).
     pub fn matmul_with(&self, xs: &[f32], n: usize, out: &mut [f32], isa: Isa) {
         if n == 0 {

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use pipeshard_model::KvStore;
 use pipeshard_model::{
     LayerRange, LocalPipeline, LogitsWanted, SeqId, SeqLogits, SeqStep, Stage, StageInput,
-    StageOutput, StepBatch, TokenId,
+    StageOutput, StepBatch, TokenId, Vocab,
 };
 use pipeshard_testkit::{tiny_k_model, tiny_model, Flavour, VOCAB};
 use proptest::prelude::*;
@@ -381,4 +381,47 @@ fn bad_batches_are_refused() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("2..9"), "{err}");
+}
+
+#[test]
+fn a_scored_part_of_the_vocabulary_keeps_its_logits() {
+    // Both flavours: tied Q8_0 embeddings (llama) and a separate output weight (qwen2).
+    for (_, path) in models().iter().step_by(2) {
+        let stage = Stage::load(path, None).unwrap();
+        let batch = StepBatch {
+            seqs: vec![SeqStep {
+                seq: SeqId(0),
+                pos: 0,
+                n: 3,
+                logits: LogitsWanted::All,
+            }],
+            input: StageInput::Tokens(vec![7, 70, 140]),
+        };
+        let logits = |vocab: Option<&Vocab>| match stage
+            .forward_scoring(&batch, &mut KvStore::new(), vocab)
+            .unwrap()
+        {
+            StageOutput::Logits(mut l) => l.remove(0),
+            StageOutput::Hidden(_) => unreachable!("a whole model returns logits"),
+        };
+        let all = logits(None);
+        // 61 rounds up to 64; 200 is scored as an extra, 10 already is.
+        let part = logits(Some(&Vocab {
+            common: 61,
+            extra: vec![200, 10, VOCAB as u32 + 5],
+        }));
+        for r in 0..3 {
+            let (a, p) = (all.row(r), part.row(r));
+            assert_eq!(&a[..64], &p[..64], "the common ids' logits, bit for bit");
+            // Extras are f32 dot products with dequantized rows, not the quantized kernel.
+            assert!(
+                (a[200] - p[200]).abs() <= 0.05 * a[200].abs().max(1.0),
+                "{} {}",
+                a[200],
+                p[200]
+            );
+            let scored = p.iter().filter(|x| x.is_finite()).count();
+            assert_eq!(scored, 65, "the rest are -inf");
+        }
+    }
 }
