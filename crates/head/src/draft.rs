@@ -811,8 +811,9 @@ pub(crate) mod tests {
         Drafter::Model(Box::new(m.with_vocab(common)))
     }
 
-    fn greedy(d: &mut Drafter, context: &[u32], k: usize) -> Vec<u32> {
-        d.propose(1, context, k, &SamplingParams::default(), &[])
+    /// `k` greedy proposals for sequence `seq` after `context`.
+    pub(crate) fn greedy(d: &mut Drafter, seq: u64, context: &[u32], k: usize) -> Vec<u32> {
+        d.propose(seq, context, k, &SamplingParams::default(), &[])
             .into_iter()
             .map(|p| p.token)
             .collect()
@@ -834,20 +835,20 @@ pub(crate) mod tests {
             assert!(pieces > 5, "the prompt is read a piece at a time");
             let chain = ctx[prompt.len()..].to_vec();
             assert_eq!(
-                greedy(&mut tiny_drafter(tmp.path(), common), &prompt, 5),
+                greedy(&mut tiny_drafter(tmp.path(), common), 1, &prompt, 5),
                 chain
             );
             // The target chose the draft's first two: the next three cost no forward pass.
             let mut hit = prompt.clone();
             hit.extend(&chain[..2]);
             let fed = ahead.fed();
-            assert_eq!(greedy(&mut ahead, &hit, 3), chain[2..]);
+            assert_eq!(greedy(&mut ahead, 1, &hit, 3), chain[2..]);
             assert_eq!(ahead.fed(), fed);
             // It chose another second token: computed afresh, the same as without the chain.
             let mut miss = prompt.clone();
             miss.extend([chain[0], chain[1] ^ 1]);
-            let want = greedy(&mut tiny_drafter(tmp.path(), common), &miss, 3);
-            assert_eq!(greedy(&mut ahead, &miss, 3), want);
+            let want = greedy(&mut tiny_drafter(tmp.path(), common), 1, &miss, 3);
+            assert_eq!(greedy(&mut ahead, 1, &miss, 3), want);
             assert!(ahead.fed() > fed);
         }
     }

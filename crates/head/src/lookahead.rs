@@ -228,15 +228,8 @@ fn lower_priority() {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::draft::tests::tiny_drafter;
+    use crate::draft::tests::{greedy, tiny_drafter};
     use pipeshard_generate::SamplingParams;
-
-    fn greedy(d: &mut Drafter, seq: u64, context: &[u32], k: usize) -> Vec<u32> {
-        d.propose(seq, context, k, &SamplingParams::default(), &[])
-            .into_iter()
-            .map(|p| p.token)
-            .collect()
-    }
 
     #[test]
     fn the_thread_drafts_ahead_and_proposals_stay_the_same() {
