@@ -7,6 +7,9 @@ use pipeshard_head::draft::{DraftModel, Drafter};
 use pipeshard_model::gguf::GgufFile;
 use pipeshard_shard::ModelSource;
 
+/// Tokens a draft model scores by default (see `--draft-vocab`).
+const DRAFT_VOCAB: usize = 32768;
+
 /// Speculative decoding.
 #[derive(Args, Debug, Clone)]
 pub struct DraftArgs {
@@ -25,7 +28,7 @@ pub struct DraftArgs {
     /// A draft model scores only this many of the most common tokens (the lowest ids) and
     /// the ones the sequence has already seen, skipping most of its output layer; 0 scores
     /// them all. Proposals change, never the output: the model verifies every one.
-    #[arg(long, default_value_t = 32768)]
+    #[arg(long, default_value_t = DRAFT_VOCAB)]
     pub draft_vocab: usize,
 }
 
@@ -35,7 +38,7 @@ impl Default for DraftArgs {
             draft: None,
             draft_k: "auto".into(),
             draft_max: 10,
-            draft_vocab: 32768,
+            draft_vocab: DRAFT_VOCAB,
         }
     }
 }

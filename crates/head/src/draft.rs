@@ -70,6 +70,13 @@ struct Chain {
     tokens: Vec<u32>,
 }
 
+impl Chain {
+    /// Whether `context` is a prefix of the chain whose next choice is (or may be) recorded.
+    fn extends(&self, context: &[u32]) -> bool {
+        (self.from..=self.tokens.len()).contains(&context.len()) && self.tokens.starts_with(context)
+    }
+}
+
 /// How many leading tokens `a` and `b` share.
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
@@ -129,7 +136,9 @@ impl DraftModel {
         let cached = self.cached.entry(seq).or_default();
         let mut common = common_prefix(cached, context).min(context.len() - 1);
         cached.truncate(common);
-        let vocab = self.common.map(|below| {
+        let end = context.len().min(common.saturating_add(max));
+        // Which tokens to score matters only for the logits, after the context's last token.
+        let vocab = self.common.filter(|_| end == context.len()).map(|below| {
             let mut extra: Vec<u32> = context
                 .iter()
                 .copied()
@@ -143,7 +152,6 @@ impl DraftModel {
             }
         });
         let mut logits = None;
-        let end = context.len().min(common.saturating_add(max));
         while common < end {
             let n = (end - common).min(DRAFT_CHUNK);
             let last = common + n == context.len();
@@ -191,19 +199,13 @@ impl DraftModel {
     /// the target's next token is the draft's own), else computed and remembered.
     fn next_greedy(&mut self, seq: u64, context: &[u32]) -> Option<u32> {
         if let Some(chain) = self.chains.get(&seq) {
-            if context.len() >= chain.from
-                && context.len() < chain.tokens.len()
-                && chain.tokens.starts_with(context)
-            {
+            if chain.extends(context) && context.len() < chain.tokens.len() {
                 return Some(chain.tokens[context.len()]);
             }
         }
         let token = pipeshard_model::batch::argmax(&self.next_logits(seq, context)?);
         let chain = self.chains.entry(seq).or_default();
-        if chain.tokens.len() >= context.len()
-            && context.len() >= chain.from
-            && chain.tokens.starts_with(context)
-        {
+        if chain.extends(context) {
             chain.tokens.truncate(context.len());
         } else {
             chain.tokens = context.to_vec();

@@ -102,11 +102,6 @@ impl Lookahead {
         self.with(seq, |d| d.release(seq));
     }
 
-    /// The drafter's name.
-    pub fn name(&self) -> String {
-        lock(&self.shared.drafter).to_string()
-    }
-
     /// Tokens the draft model has fed through so far.
     pub fn fed(&self) -> usize {
         lock(&self.shared.drafter).fed()

@@ -387,7 +387,7 @@ impl State {
                 }
             };
             if let Some(sp) = &self.spec {
-                draft_ahead(sp, id, s, &tokens, seq_step.output);
+                draft_ahead(sp, id, s, &seq_step, &tokens);
             }
             rows += tokens.len();
             seq_step.n = tokens.len() as u32;
@@ -636,29 +636,35 @@ fn draft(sp: &mut Speculation, id: u64, s: &mut Seq, budget: usize) -> Vec<Propo
 /// Has the drafter work ahead while a step of sequence `s` is in the ring: after a prompt
 /// chunk, reading the prompt (and, for the last chunk, drafting past the target's first
 /// token, guessing it is the draft's own); after proposals, drafting past them and the token
-/// after them, guessing all are accepted. `tokens` are the step's inputs for `s`.
-fn draft_ahead(sp: &Speculation, id: u64, s: &Seq, tokens: &[u32], output: i32) {
+/// after them, guessing all are accepted (as many again as this step drafted). `tokens` are
+/// the step's inputs for `s`.
+fn draft_ahead(sp: &Speculation, id: u64, s: &Seq, step: &pb::SeqStep, tokens: &[u32]) {
     let greedy = s.req.sampling.temperature <= 0.0;
-    let left = s.req.max_tokens.saturating_sub(s.generated + 1);
-    let k = s
-        .req
-        .draft_k
-        .unwrap_or_else(|| sp.tuner.choose(&s.acceptance))
-        .min(left);
-    let (context, n) = match s.next_input {
+    let (context, k) = match s.next_input {
         // A decode step: proposals go after its inputs.
-        Some(_) if output == pb::Output::All as i32 => {
+        Some(_) if !step.draft.is_empty() => {
             let mut c = s.context.clone();
             c.extend_from_slice(&tokens[1..]);
-            (c, k + 1)
+            (c, step.draft.len())
         }
         Some(_) => return,
         // The prompt's last chunk: the first token, then the proposals after it.
-        None if output == pb::Output::Last as i32 => (s.context.clone(), k + 1),
-        None => (s.req.prompt[..s.fed + tokens.len()].to_vec(), 0),
+        None if step.output == pb::Output::Last as i32 => {
+            let left = s.req.max_tokens.saturating_sub(1);
+            let k = s
+                .req
+                .draft_k
+                .unwrap_or_else(|| sp.tuner.choose(&s.acceptance));
+            (s.context.clone(), k.min(left))
+        }
+        None => {
+            let read = s.req.prompt[..s.fed + tokens.len()].to_vec();
+            sp.drafter.ahead(id, read, 0, greedy);
+            return;
+        }
     };
-    if k > 0 || n == 0 {
-        sp.drafter.ahead(id, context, n, greedy);
+    if k > 0 {
+        sp.drafter.ahead(id, context, k + 1, greedy);
     }
 }
 

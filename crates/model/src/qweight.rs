@@ -292,9 +292,7 @@ impl QWeight {
 
     /// `out[i] = W · xs[i]` for `n` input rows: `xs` is `[n, cols]`, `out` is `[n, rows]`.
     pub fn matmul(&self, xs: &[f32], n: usize, out: &mut [f32]) {
-        assert_eq!(xs.len(), n * self.cols, "matmul input shape");
-        assert_eq!(out.len(), n * self.rows, "matmul output shape");
-        self.matmul_with(xs, n, out, Isa::detect());
+        self.matmul_first(xs, n, self.rows, out);
     }
 
     /// [`QWeight::matmul`] over the first `rows` output rows only (`out` is `[n, rows]`), each
