@@ -32,7 +32,8 @@ pub struct SpecArgs {
     /// The target: a known model name or a GGUF file.
     #[arg(long, default_value = "qwen2.5-coder-1.5b")]
     pub model: String,
-    /// Stages (processes; stage 0 and the drafter run in this one), layers split evenly.
+    /// Stages (processes; stage 0 and the drafter run in this one), layers split to balance
+    /// their cost (`split --stages`).
     #[arg(long, default_value_t = 2)]
     pub stages: usize,
     /// Explicit layer ranges instead, e.g. `0..16,16..28`.
@@ -63,7 +64,7 @@ pub struct ThroughputArgs {
     /// A known model name or a GGUF file.
     #[arg(long, default_value = crate::cmd::DEFAULT_MODEL)]
     pub model: String,
-    /// Stages (processes; stage 0 runs in this one), layers split evenly.
+    /// Stages (processes; stage 0 runs in this one), layers split to balance their cost.
     #[arg(long, default_value_t = 2)]
     pub stages: usize,
     /// Explicit layer ranges instead, e.g. `0..16,16..28`.
@@ -81,6 +82,14 @@ pub struct ThroughputArgs {
     /// Micro-batch groups (0: one per stage).
     #[arg(long, default_value_t = 0)]
     pub groups: usize,
+    /// What users ask: `synthetic` (a repeated line of code, `--prompt-tokens` long, rotated
+    /// per user) or `code` (coding-assistant chats, a different one per user, as `bench spec`
+    /// uses; `--prompt-tokens` does not apply).
+    #[arg(long, default_value = "synthetic")]
+    pub prompts: String,
+    /// Speculative decoding in the ring (the unsplit baseline never drafts).
+    #[command(flatten)]
+    pub draft: crate::spec::DraftArgs,
     /// Pin each stage (and the unsplit model) to one core: auto, on, off.
     #[arg(long, default_value = "auto")]
     pub pin: String,
@@ -94,7 +103,7 @@ pub struct RingArgs {
     /// A known model name or a GGUF file.
     #[arg(long, default_value = crate::cmd::DEFAULT_MODEL)]
     pub model: String,
-    /// Stages (processes; stage 0 runs in this one), layers split evenly.
+    /// Stages (processes; stage 0 runs in this one), layers split to balance their cost.
     #[arg(long, default_value_t = 2)]
     pub stages: usize,
     /// Explicit layer ranges instead, e.g. `0..16,16..28`.
@@ -485,13 +494,23 @@ fn percentile(mut v: Vec<f64>, p: f64) -> f64 {
     v[i.min(v.len() - 1)]
 }
 
-/// One user's request: (time to first token, time to done, tokens), from `t0`.
+/// What one user saw: times from the start of the run, its tokens, and its proposals.
+struct UserRun {
+    ttft_s: f64,
+    done_s: f64,
+    tokens: Vec<TokenId>,
+    drafted: usize,
+    accepted: usize,
+}
+
+/// One user's greedy request through the ring, `gen` tokens whatever comes (end of sequence
+/// ignored), timed from `t0`.
 async fn user_run(
     head: HeadHandle,
     prompt: Vec<TokenId>,
     gen: usize,
     t0: Instant,
-) -> Result<(f64, f64, usize)> {
+) -> Result<UserRun> {
     let mut rx = head.submit(GenRequest {
         prompt,
         sampling: pipeshard_generate::SamplingParams::default(),
@@ -502,15 +521,21 @@ async fn user_run(
         draft_k: None,
     })?;
     let mut first = None;
-    let mut n = 0;
+    let mut tokens = Vec::new();
     loop {
         match rx.recv().await {
             Some(GenEvent::Text { token, .. }) => {
                 first.get_or_insert_with(|| t0.elapsed().as_secs_f64());
-                n += usize::from(token.is_some());
+                tokens.extend(token);
             }
-            Some(GenEvent::Done { .. }) => {
-                return Ok((first.unwrap_or(0.0), t0.elapsed().as_secs_f64(), n))
+            Some(GenEvent::Done { usage, .. }) => {
+                return Ok(UserRun {
+                    ttft_s: first.unwrap_or(0.0),
+                    done_s: t0.elapsed().as_secs_f64(),
+                    tokens,
+                    drafted: usage.drafted_tokens,
+                    accepted: usage.accepted_tokens,
+                })
             }
             Some(GenEvent::Error(e)) => bail!("a user's request failed: {e}"),
             None => bail!("the head stopped"),
@@ -525,6 +550,7 @@ fn throughput(a: ThroughputArgs) -> Result<()> {
         .map(|u| u.trim().parse::<usize>())
         .collect::<Result<_, _>>()
         .context("--users takes numbers like 1,2,4,8")?;
+    let most = users.iter().copied().max().unwrap_or(1).max(1);
     let bench = BenchRing::start(
         &a.model,
         a.stages,
@@ -532,15 +558,44 @@ fn throughput(a: ThroughputArgs) -> Result<()> {
         &a.pin,
         Default::default(),
         a.groups,
-        &crate::spec::DraftArgs::default(),
+        &a.draft,
     )?;
     let (rt, head) = (bench.rt(), &bench.head);
     let mut s = bench.unsplit()?;
-    let prompt = bench_prompt(&s.tokenizer, a.prompt_tokens)?;
-    // The unsplit model serving one user: whole request, prompt included.
+    // User i's prompt is prompts[i % prompts.len()].
+    let prompts: Vec<Vec<TokenId>> = match a.prompts.as_str() {
+        "synthetic" => {
+            let p = bench_prompt(&s.tokenizer, a.prompt_tokens)?;
+            (0..most)
+                .map(|i| {
+                    let mut q = p.clone();
+                    q.rotate_left(i % p.len().max(1));
+                    q
+                })
+                .collect()
+        }
+        "code" => {
+            let n = most.min(CODE_PROMPTS.len());
+            chat_prompts(&head.model().text, &CODE_PROMPTS[..n])?
+        }
+        other => bail!("--prompts takes synthetic or code, not `{other}`"),
+    };
+    // The unsplit model serving one user at a time, never drafting: whole requests, prompts
+    // included, over the prompts that the largest run uses (each only once for the synthetic
+    // prompt, whose rotations cost the same). Its tokens are what every user must get.
     let gen = a.gen_tokens.max(2);
-    let (ttft, tok_s, _) = unsplit_run(&mut s, &prompt, gen - 1)?;
-    let baseline = gen as f64 / (ttft + (gen - 1) as f64 / tok_s);
+    let measured = if a.prompts == "synthetic" {
+        1
+    } else {
+        prompts.len()
+    };
+    let (mut secs, mut expected) = (0.0, Vec::new());
+    for p in &prompts[..measured] {
+        let (ttft, tok_s, tokens) = unsplit_run(&mut s, p, gen - 1)?;
+        secs += ttft + (gen - 1) as f64 / tok_s;
+        expected.push(tokens);
+    }
+    let baseline = (gen * measured) as f64 / secs;
     drop(s);
     if !a.json {
         eprintln!("unsplit, one user: {baseline:.2} tok/s");
@@ -556,9 +611,7 @@ fn throughput(a: ThroughputArgs) -> Result<()> {
         let results = rt.block_on(async {
             let tasks: Vec<_> = (0..n)
                 .map(|i| {
-                    let mut p = prompt.clone();
-                    let shift = i % p.len().max(1);
-                    p.rotate_left(shift);
+                    let p = prompts[i % prompts.len()].clone();
                     tokio::spawn(user_run(head.clone(), p, a.gen_tokens, t0))
                 })
                 .collect();
@@ -568,12 +621,20 @@ fn throughput(a: ThroughputArgs) -> Result<()> {
             }
             Ok::<_, anyhow::Error>(out)
         })?;
-        let wall = results.iter().map(|r| r.1).fold(0.0, f64::max);
+        let wall = results.iter().map(|r| r.done_s).fold(0.0, f64::max);
         std::thread::sleep(settle);
         let after = busy(head);
-        let tokens: usize = results.iter().map(|r| r.2).sum();
+        let tokens: usize = results.iter().map(|r| r.tokens.len()).sum();
+        let identical = results
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i < measured)
+            .all(|(i, r)| r.tokens[..] == expected[i][..r.tokens.len().min(expected[i].len())]);
+        let (drafted, accepted) = results
+            .iter()
+            .fold((0, 0), |(d, acc), r| (d + r.drafted, acc + r.accepted));
         let aggregate = tokens as f64 / wall;
-        let ttfts: Vec<f64> = results.iter().map(|r| r.0 * 1e3).collect();
+        let ttfts: Vec<f64> = results.iter().map(|r| r.ttft_s * 1e3).collect();
         let stage_busy: Vec<f64> = before
             .iter()
             .zip(&after)
@@ -583,6 +644,9 @@ fn throughput(a: ThroughputArgs) -> Result<()> {
             "users": n, "aggregate_tok_s": aggregate, "ratio": aggregate / baseline,
             "ttft_p50_ms": percentile(ttfts.clone(), 0.5), "ttft_p95_ms": percentile(ttfts, 0.95),
             "stage_busy": stage_busy, "wall_s": wall,
+            "drafted": drafted, "accepted": accepted,
+            "acceptance": if drafted > 0 { accepted as f64 / drafted as f64 } else { 0.0 },
+            "tokens_identical": identical,
         });
         if !a.json {
             eprintln!("{run}");
@@ -591,18 +655,41 @@ fn throughput(a: ThroughputArgs) -> Result<()> {
     }
     let out = serde_json::json!({
         "model": a.model, "stages": bench.stages, "pinned": bench.pinned, "gen_tokens": a.gen_tokens,
-        "prompt_tokens": prompt.len(), "baseline_tok_s": baseline, "runs": runs,
+        "prompts": a.prompts, "prompt_tokens": prompts[0].len(),
+        "prompt_lengths": prompts.iter().map(Vec::len).collect::<Vec<_>>(),
+        "draft": a.draft.draft, "draft_k": a.draft.draft_k,
+        "baseline_tok_s": baseline, "runs": runs,
     });
     print_result(&out, a.json)
 }
 
-/// Coding prompts for `bench spec`: rewriting or extending code the prompt shows, where a
-/// coding assistant's answer repeats much of its input.
-const SPEC_PROMPTS: [&str; 3] = [
+/// Coding-assistant prompts: rewriting or extending code the prompt shows, where the answer
+/// repeats much of its input. `bench spec` uses the first three (its figures since the start);
+/// `bench throughput --prompts code` gives each user its own.
+const CODE_PROMPTS: [&str; 8] = [
     "Add type hints and a docstring to this function, and return the whole function:\n\n```python\ndef merge_sorted(a, b):\n    out = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n        if a[i] <= b[j]:\n            out.append(a[i])\n            i += 1\n        else:\n            out.append(b[j])\n            j += 1\n    out.extend(a[i:])\n    out.extend(b[j:])\n    return out\n```",
     "Rename the variable `cnt` to `count` everywhere in this code and show the result:\n\n```rust\nfn histogram(words: &[&str]) -> HashMap<String, usize> {\n    let mut cnt = HashMap::new();\n    for w in words {\n        *cnt.entry(w.to_lowercase()).or_insert(0) += 1;\n    }\n    cnt.retain(|_, c| *c > 1);\n    cnt\n}\n```",
     "Write a Python function `is_prime(n)` and a function `primes_below(n)` that uses it, with tests using assert.",
+    "Convert this JavaScript function to TypeScript with explicit types and return the whole function:\n\n```javascript\nfunction groupBy(items, key) {\n  const out = {};\n  for (const item of items) {\n    const k = item[key];\n    if (!out[k]) {\n      out[k] = [];\n    }\n    out[k].push(item);\n  }\n  return out;\n}\n```",
+    "Make this Go function return an error instead of ignoring failures, and show the full function:\n\n```go\nfunc readConfig(path string) Config {\n\tdata, _ := os.ReadFile(path)\n\tvar cfg Config\n\tjson.Unmarshal(data, &cfg)\n\tif cfg.Port == 0 {\n\t\tcfg.Port = 8080\n\t}\n\treturn cfg\n}\n```",
+    "Write pytest unit tests for this class:\n\n```python\nclass Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n        self.items.append(x)\n\n    def pop(self):\n        if not self.items:\n            raise IndexError(\"pop from empty stack\")\n        return self.items.pop()\n\n    def peek(self):\n        return self.items[-1] if self.items else None\n\n    def __len__(self):\n        return len(self.items)\n```",
+    "Rewrite this C function with a `for` loop instead of the `while` loop, keeping everything else the same:\n\n```c\nint sum_even(const int *v, int n) {\n    int i = 0;\n    int total = 0;\n    while (i < n) {\n        if (v[i] % 2 == 0) {\n            total += v[i];\n        }\n        i++;\n    }\n    return total;\n}\n```",
+    "Write a SQL query over tables `customers(id, name)` and `orders(id, customer_id, amount, created_at)` that returns each customer's name and total order amount in 2025, highest first, and explain it briefly.",
 ];
+
+/// `prompts` rendered as one-message chats and tokenized.
+fn chat_prompts(
+    text: &pipeshard_generate::TextModel,
+    prompts: &[&str],
+) -> Result<Vec<Vec<TokenId>>> {
+    prompts
+        .iter()
+        .map(|p| {
+            let chat = text.render_chat(&[pipeshard_generate::ChatMessage::new("user", p)])?;
+            Ok(text.tokenizer.encode(&chat)?)
+        })
+        .collect()
+}
 
 /// One greedy request through the ring: (seconds from first token to done, tokens, drafted,
 /// accepted).
@@ -665,14 +752,7 @@ fn spec(a: SpecArgs) -> Result<()> {
             1,
             &draft,
         )?;
-        let text = &bench.head.model().text;
-        let prompts: Vec<Vec<TokenId>> = SPEC_PROMPTS
-            .iter()
-            .map(|p| {
-                let chat = text.render_chat(&[pipeshard_generate::ChatMessage::new("user", p)])?;
-                Ok(text.tokenizer.encode(&chat)?)
-            })
-            .collect::<Result<_>>()?;
+        let prompts = chat_prompts(&bench.head.model().text, &CODE_PROMPTS[..3])?;
         // Tokens over the decode time of all prompts, for a fixed k (or auto).
         let measure = |k: Option<usize>| -> Result<(f64, Vec<Vec<TokenId>>, usize, usize)> {
             let (mut secs, mut n, mut drafted, mut accepted) = (0.0, 0, 0, 0);
@@ -714,7 +794,7 @@ fn spec(a: SpecArgs) -> Result<()> {
         }
     }
     let out = serde_json::json!({
-        "model": a.model, "gen_tokens": a.gen_tokens, "prompts": SPEC_PROMPTS.len(),
+        "model": a.model, "gen_tokens": a.gen_tokens, "prompts": 3,
         "draft_vocab": a.draft_vocab,
         "baseline_tok_s": baselines.first().copied().unwrap_or(0.0), "runs": runs,
     });

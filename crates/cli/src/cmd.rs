@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use pipeshard_generate::SamplingParams;
-use pipeshard_model::{LayerRange, LogitsWanted, SeqStep};
+use pipeshard_model::{LogitsWanted, SeqStep};
 use pipeshard_shard::{
     fetch as fetch_model, known_model, parse_layers, Manifest, ModelSource, KNOWN_MODELS,
 };
@@ -41,7 +41,8 @@ pub fn fetch(a: FetchArgs) -> Result<()> {
 pub struct SplitArgs {
     /// The model: a GGUF file or a known model name.
     pub model: String,
-    /// Number of stages, layers divided evenly.
+    /// Number of stages; layers are divided so that the costliest stage (counting the output
+    /// layer, in weight bytes and elements) costs least.
     #[arg(long, conflicts_with = "layers")]
     pub stages: Option<usize>,
     /// Explicit layer ranges, e.g. `0..15,15..28`; they must tile all layers.
@@ -64,10 +65,7 @@ pub fn split(a: SplitArgs) -> Result<()> {
         (None, Some(n)) => {
             let g = pipeshard_model::gguf::GgufFile::open(&path)?;
             let c = pipeshard_model::ModelConfig::from_gguf(&g.content)?;
-            if n == 0 || n > c.n_layers {
-                bail!("cannot split {} layers into {n} stages", c.n_layers);
-            }
-            LayerRange::even_split(c.n_layers, n)
+            pipeshard_shard::plan(&g.content, c.n_layers, n)?
         }
         (None, None) => bail!("give --stages N or --layers A..B,B..C"),
     };

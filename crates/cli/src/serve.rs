@@ -341,7 +341,8 @@ pub struct UpArgs {
     /// A known model name, a GGUF file or a manifest.
     #[arg(long, default_value = DEFAULT_MODEL)]
     pub model: String,
-    /// Number of stages (one process each; stage 0 runs in this one), layers split evenly.
+    /// Number of stages (one process each; stage 0 runs in this one), layers split to balance
+    /// their cost (as `split --stages`).
     #[arg(long, default_value_t = 3)]
     pub stages: usize,
     /// Explicit layer ranges instead, e.g. `0..16,16..28` (the last stage also runs the
@@ -440,12 +441,7 @@ pub(crate) fn ensure_split(model: &str, n: usize, layers: Option<&str>) -> Resul
             pipeshard_model::LayerRange::check_tiling(&r, c.n_layers)?;
             r
         }
-        None => {
-            if n == 0 || n > c.n_layers {
-                bail!("cannot split {} layers into {n} stages", c.n_layers);
-            }
-            pipeshard_model::LayerRange::even_split(c.n_layers, n)
-        }
+        None => pipeshard_shard::plan(&g.content, c.n_layers, n)?,
     };
     let stem = gguf
         .file_stem()

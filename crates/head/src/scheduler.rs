@@ -437,8 +437,9 @@ impl State {
             );
         }
         let stage_us: Vec<u64> = r.timings.iter().map(|t| t.compute_us).collect();
+        let queue_us: Vec<u64> = r.timings.iter().map(|t| t.queue_us).collect();
         let total_us = f.sent.elapsed().as_micros() as u64;
-        tracing::debug!(rows = f.rows, total_us, ?stage_us, "step done");
+        tracing::debug!(rows = f.rows, total_us, ?stage_us, ?queue_us, "step done");
         if let Some(sp) = &mut self.spec {
             sp.tuner.observe_step(f.rows, total_us as f64);
         }

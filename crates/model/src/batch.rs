@@ -53,6 +53,46 @@ impl LayerRange {
         }
         out
     }
+
+    /// Splits layers into `stages` contiguous ranges (at most one per layer) so that the
+    /// costliest stage costs least: `layer_costs[i]` is layer i's cost, `tail` what the last
+    /// stage adds (its output layer). Among equally good splits, earlier stages take more
+    /// layers. A pipeline runs at the pace of its slowest stage, so this is the split that
+    /// serves fastest when every stage runs on the same kind of machine.
+    pub fn balanced_split(layer_costs: &[f64], tail: f64, stages: usize) -> Vec<LayerRange> {
+        let n = layer_costs.len();
+        let stages = stages.clamp(1, n.max(1));
+        let mut prefix = vec![0.0; n + 1];
+        for (i, c) in layer_costs.iter().enumerate() {
+            prefix[i + 1] = prefix[i] + c;
+        }
+        let cost = |a: usize, b: usize| prefix[b] - prefix[a] + if b == n { tail } else { 0.0 };
+        // best[s][i]: the least possible worst stage when the last s stages hold layers i..n;
+        // cut[s][i]: where the first of them ends.
+        let mut best = vec![vec![f64::INFINITY; n + 1]; stages + 1];
+        let mut cut = vec![vec![n; n + 1]; stages + 1];
+        best[0][n] = 0.0;
+        for s in 1..=stages {
+            for i in (0..n).rev() {
+                // Scanning ends from the far one keeps the longest first stage among ties.
+                for e in (i + 1..=n).rev() {
+                    let worst = cost(i, e).max(best[s - 1][e]);
+                    if worst < best[s][i] {
+                        best[s][i] = worst;
+                        cut[s][i] = e;
+                    }
+                }
+            }
+        }
+        let mut out = Vec::with_capacity(stages);
+        let mut start = 0;
+        for s in (1..=stages).rev() {
+            let end = cut[s][start];
+            out.push(LayerRange::new(start, end));
+            start = end;
+        }
+        out
+    }
 }
 
 impl LayerRange {
@@ -218,6 +258,55 @@ mod tests {
         );
         assert_eq!(r[0].start, 0);
         assert_eq!(r[3].end, 30);
+    }
+
+    #[test]
+    fn balanced_split_evens_out_the_costliest_stage() {
+        let worst = |r: &[LayerRange], c: &[f64], tail: f64| {
+            r.iter()
+                .map(|r| {
+                    c[r.start..r.end].iter().sum::<f64>()
+                        + if r.end == c.len() { tail } else { 0.0 }
+                })
+                .fold(0.0, f64::max)
+        };
+        // Equal layers and no tail: the even split.
+        let ones = vec![1.0; 30];
+        assert_eq!(
+            LayerRange::balanced_split(&ones, 0.0, 4),
+            LayerRange::even_split(30, 4)
+        );
+        // An output layer worth six layers moves layers to the first stage: 28 + 6 = 2 x 17.
+        let r = LayerRange::balanced_split(&vec![1.0; 28], 6.0, 2);
+        assert_eq!(r, vec![LayerRange::new(0, 17), LayerRange::new(17, 28)]);
+        // More stages than layers: one layer each.
+        assert_eq!(LayerRange::balanced_split(&[1.0, 2.0], 0.0, 5).len(), 2);
+        // Against every split of a few uneven layers into 3 stages.
+        let mut x = 7u64;
+        for _ in 0..50 {
+            let c: Vec<f64> = (0..8)
+                .map(|_| {
+                    x = x
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    1.0 + (x >> 40) as f64 / (1u64 << 24) as f64 * 4.0
+                })
+                .collect();
+            let r = LayerRange::balanced_split(&c, 3.0, 3);
+            LayerRange::check_tiling(&r, 8).unwrap();
+            let mut least = f64::INFINITY;
+            for a in 1..7 {
+                for b in a + 1..8 {
+                    let cand = [
+                        LayerRange::new(0, a),
+                        LayerRange::new(a, b),
+                        LayerRange::new(b, 8),
+                    ];
+                    least = least.min(worst(&cand, &c, 3.0));
+                }
+            }
+            assert!((worst(&r, &c, 3.0) - least).abs() < 1e-9, "{c:?} {r:?}");
+        }
     }
 
     #[test]

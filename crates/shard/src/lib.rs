@@ -14,7 +14,7 @@ use sha2::{Digest, Sha256};
 pub use fetch::{cache_dir, fetch, known_model, KnownModel, KNOWN_MODELS};
 pub use manifest::{Manifest, ShardIdentity, StageEntry};
 pub use source::ModelSource;
-pub use split::{parse_layers, split};
+pub use split::{parse_layers, plan, split};
 
 /// What went wrong with a model file, a shard or a manifest. Every message names the file.
 #[derive(Debug, thiserror::Error)]

@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use pipeshard_model::{LayerRange, ModelError, Stage};
+use pipeshard_model::{ModelError, Stage};
 
 use crate::fetch::{fetch, known_model, KNOWN_MODELS};
 use crate::manifest::Manifest;
@@ -75,14 +75,7 @@ impl ModelSource {
             Self::Gguf(p) => {
                 let g = pipeshard_model::gguf::GgufFile::open(p)?;
                 let config = pipeshard_model::ModelConfig::from_gguf(&g.content)?;
-                let n = stages.unwrap_or(1);
-                if n == 0 || n > config.n_layers {
-                    return Err(ShardError::Ranges(format!(
-                        "{n} stages for a model of {} layers",
-                        config.n_layers
-                    )));
-                }
-                LayerRange::even_split(config.n_layers, n)
+                crate::plan(&g.content, config.n_layers, stages.unwrap_or(1))?
                     .into_iter()
                     .map(|r| Stage::load(p, Some(r)))
                     .collect::<Result<Vec<_>, ModelError>>()?
