@@ -17,7 +17,7 @@ use pipeshard_stage::Worker;
 use pipeshard_wire::pb::{self, frame::Kind};
 use tokio::sync::{mpsc, watch};
 
-use crate::draft::{Acceptance, Proposal, Tuner};
+use crate::draft::{Acceptance, Others, Proposal, Tuner};
 use crate::lookahead::Lookahead;
 use crate::{GenEvent, GenRequest, HeadConfig, RingStatus, ServedModel, Usage};
 
@@ -79,6 +79,8 @@ struct Fed {
     n: usize,
     /// The proposals verified with it.
     proposals: Vec<u32>,
+    /// A prompt chunk.
+    prompt: bool,
 }
 
 struct InFlight {
@@ -317,6 +319,21 @@ impl State {
         // Prompt rows per step are bounded by one chunk, shared in arrival order: a long
         // prompt delays its group's decoding sequences by at most one chunk's time.
         let mut prefill_budget = self.chunk;
+        // What the step carries besides a decoding sequence, for its draft length: the rows
+        // and expected tokens of those before it, one of each for those after it, and the
+        // prompt rows that follow.
+        let mut decoding_after = order
+            .iter()
+            .filter(|id| self.seqs[id].next_input.is_some())
+            .count();
+        let prompt_rows = order
+            .iter()
+            .map(|id| &self.seqs[id])
+            .filter(|s| s.next_input.is_none())
+            .map(|s| s.req.prompt.len() - s.fed)
+            .sum::<usize>()
+            .min(self.chunk);
+        let mut expected = 0.0;
         for id in order {
             let budget = self.max_rows - rows;
             if budget == 0 {
@@ -338,10 +355,16 @@ impl State {
             };
             let tokens: Vec<u32> = match s.next_input {
                 Some(t) => {
+                    decoding_after -= 1;
+                    let others = Others {
+                        rows: rows + decoding_after + prompt_rows,
+                        tokens: expected + decoding_after as f64,
+                    };
                     let proposals = match &mut self.spec {
-                        Some(sp) => draft(sp, id, s, budget),
+                        Some(sp) => draft(sp, id, s, budget, others),
                         None => vec![],
                     };
+                    expected += s.acceptance.expected_tokens(proposals.len());
                     let mut tokens = vec![t];
                     if proposals.is_empty() {
                         seq_step.output = pb::Output::Last as i32;
@@ -396,6 +419,7 @@ impl State {
                 id,
                 n: tokens.len(),
                 proposals: seq_step.draft.clone(),
+                prompt: s.next_input.is_none(),
             });
             step.seqs.push(seq_step);
             step.tokens.extend(tokens);
@@ -440,7 +464,11 @@ impl State {
         let queue_us: Vec<u64> = r.timings.iter().map(|t| t.queue_us).collect();
         let total_us = f.sent.elapsed().as_micros() as u64;
         tracing::debug!(rows = f.rows, total_us, ?stage_us, ?queue_us, "step done");
-        if let Some(sp) = &mut self.spec {
+        // Only decoding steps teach the step line: a prompt chunk's rows cost several times a
+        // decoding row's (prefill is compute-bound), and fitted to both, the line priced a
+        // proposal at ~27 ms on the 1.5B, so 8 users on code prompts drafted almost nothing.
+        let decoding = f.seqs.iter().all(|fed| !fed.prompt);
+        if let (Some(sp), true) = (&mut self.spec, decoding) {
             sp.tuner.observe_step(f.rows, total_us as f64);
         }
         let mut ended = Vec::new();
@@ -597,14 +625,21 @@ const PROBE_EVERY: usize = 4;
 
 /// Proposals for a decoding sequence, at most `budget - 1` of them fed: as many as the tuner
 /// chooses (none when drafting does not pay, though it tries again now and then), within the
-/// tokens the request may still produce. A sampling sequence gets one more, for the row after
-/// the last fed one, so that every position it samples is verified the same way.
-fn draft(sp: &mut Speculation, id: u64, s: &mut Seq, budget: usize) -> Vec<Proposal> {
+/// tokens the request may still produce, counting what the rest of its step carries
+/// (`others`). A sampling sequence gets one more, for the row after the last fed one, so that
+/// every position it samples is verified the same way.
+fn draft(
+    sp: &mut Speculation,
+    id: u64,
+    s: &mut Seq,
+    budget: usize,
+    others: Others,
+) -> Vec<Proposal> {
     let left = s.req.max_tokens.saturating_sub(s.generated + 1);
     let mut k = s
         .req
         .draft_k
-        .unwrap_or_else(|| sp.tuner.choose(&s.acceptance));
+        .unwrap_or_else(|| sp.tuner.choose_among(&s.acceptance, others));
     // Undrafted steps teach nothing about acceptance, so one rejection could stop drafting
     // for the rest of a request: probe with one proposal every few steps (every 16 left the
     // 0.5B drafter idle for 16 of 48 tokens after an early miss).
@@ -1045,6 +1080,12 @@ mod speculation_tests {
         let prefill = st.next_step().unwrap();
         assert_eq!(prefill.seqs[0].draft, Vec::<u32>::new());
         st.on_result(reply(&prefill, 6));
+        let steps_seen = |st: &State| st.spec.as_ref().unwrap().tuner.steps_seen();
+        assert_eq!(
+            steps_seen(&st),
+            0.0,
+            "a prompt chunk is no verification step"
+        );
         let step = st.next_step().unwrap();
         let s = &step.seqs[0];
         assert_eq!((s.pos, s.n, s.output), (9, 4, pb::Output::All as i32));
@@ -1054,6 +1095,7 @@ mod speculation_tests {
         let mut r = reply(&step, 0);
         r.seqs[0].tokens = vec![7, 1];
         assert!(st.on_result(r).is_empty());
+        assert_eq!(steps_seen(&st), 1.0);
         let step = st.next_step().unwrap();
         assert_eq!(step.seqs[0].pos, 11);
         assert_eq!(step.tokens[0], 1);
