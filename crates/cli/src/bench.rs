@@ -79,9 +79,8 @@ pub struct ThroughputArgs {
     /// Tokens each user generates.
     #[arg(long, default_value_t = 128)]
     pub gen_tokens: usize,
-    /// Micro-batch groups (0: one per stage).
-    #[arg(long, default_value_t = 0)]
-    pub groups: usize,
+    #[command(flatten)]
+    pub batch: crate::serve::BatchArgs,
     /// What users ask: `synthetic` (a repeated line of code, `--prompt-tokens` long, rotated
     /// per user) or `code` (coding-assistant chats, a different one per user, as `bench spec`
     /// uses; `--prompt-tokens` does not apply).
@@ -370,7 +369,7 @@ impl BenchRing {
         layers: Option<&str>,
         pin: &str,
         wire: pipeshard_wire::WireDtype,
-        groups: usize,
+        batch: crate::serve::BatchArgs,
         draft: &crate::spec::DraftArgs,
     ) -> Result<Self> {
         let manifest = crate::serve::ensure_split(model, stages, layers)?;
@@ -380,7 +379,7 @@ impl BenchRing {
         };
         let pinned = crate::serve::pin_choice(pin, stages, 1)?;
         let local =
-            crate::serve::launch_local_ring(&manifest, 1, pinned, wire, None, groups, draft)?;
+            crate::serve::launch_local_ring(&manifest, 1, pinned, wire, None, batch, draft)?;
         let rt = crate::serve::runtime()?;
         let (head, children) = rt.block_on(local.start_head())?;
         Ok(Self {
@@ -428,7 +427,7 @@ fn ring(a: RingArgs) -> Result<()> {
         a.layers.as_deref(),
         &a.pin,
         a.wire_dtype,
-        0,
+        crate::serve::BatchArgs::default(),
         &crate::spec::DraftArgs::default(),
     )?;
     let (rt, head) = (bench.rt(), &bench.head);
@@ -557,7 +556,7 @@ fn throughput(a: ThroughputArgs) -> Result<()> {
         a.layers.as_deref(),
         &a.pin,
         Default::default(),
-        a.groups,
+        a.batch,
         &a.draft,
     )?;
     let (rt, head) = (bench.rt(), &bench.head);
@@ -749,7 +748,10 @@ fn spec(a: SpecArgs) -> Result<()> {
             a.layers.as_deref(),
             &a.pin,
             Default::default(),
-            1,
+            crate::serve::BatchArgs {
+                groups: 1,
+                ..Default::default()
+            },
             &draft,
         )?;
         let prompts = chat_prompts(&bench.head.model().text, &CODE_PROMPTS[..3])?;

@@ -202,6 +202,27 @@ pub struct ServeArgs {
     pub head: HeadArgs,
 }
 
+/// How the head batches users' work into steps.
+#[derive(Args, Debug, Clone, Copy)]
+pub struct BatchArgs {
+    /// Micro-batch groups cycling through the ring (0: one per stage).
+    #[arg(long, default_value_t = 0)]
+    pub groups: usize,
+    /// Longest prompt chunk in one step; a longer prompt's chunks follow each other through
+    /// the stages.
+    #[arg(long, default_value_t = HeadConfig::default().prefill_chunk)]
+    pub prefill_chunk: usize,
+}
+
+impl Default for BatchArgs {
+    fn default() -> Self {
+        Self {
+            groups: 0,
+            prefill_chunk: HeadConfig::default().prefill_chunk,
+        }
+    }
+}
+
 /// Knobs of the head.
 #[derive(Args, Debug, Clone)]
 pub struct HeadArgs {
@@ -211,18 +232,14 @@ pub struct HeadArgs {
     /// Compute threads of the local stage 0.
     #[arg(long, default_value_t = 1)]
     pub threads: usize,
-    /// Longest prompt chunk in one step.
-    #[arg(long, default_value_t = 256)]
-    pub prefill_chunk: usize,
     /// Largest HTTP request body, KiB.
     #[arg(long, default_value_t = 1024)]
     pub max_body_kib: usize,
     /// Seconds a step may take round the ring before its requests fail.
     #[arg(long, default_value_t = 300)]
     pub step_timeout_s: u64,
-    /// Micro-batch groups cycling through the ring (0: one per stage).
-    #[arg(long, default_value_t = 0)]
-    pub groups: usize,
+    #[command(flatten)]
+    pub batch: BatchArgs,
     /// KV cache budget of stage 0, KiB (default: 80% of the memory available at start).
     #[arg(long)]
     pub kv_budget_kib: Option<u64>,
@@ -279,9 +296,9 @@ pub(crate) fn head_config(
         token,
         limits: link.limits(),
         wire_dtype: link.wire_dtype,
-        prefill_chunk: head.prefill_chunk,
+        prefill_chunk: head.batch.prefill_chunk,
         step_timeout: Duration::from_secs(head.step_timeout_s),
-        groups: head.groups,
+        groups: head.batch.groups,
         kv_budget_bytes: pipeshard_stage::kv_budget(head.kv_budget_kib),
         max_queue: head.max_queue,
         draft_k: head.draft.fixed_k().unwrap_or(None),
@@ -385,9 +402,8 @@ pub struct UpArgs {
     /// The model name clients use (default: the known model's name, or the file's).
     #[arg(long)]
     pub model_name: Option<String>,
-    /// Micro-batch groups cycling through the ring (0: one per stage).
-    #[arg(long, default_value_t = 0)]
-    pub groups: usize,
+    #[command(flatten)]
+    pub batch: BatchArgs,
     #[command(flatten)]
     pub draft: DraftArgs,
 }
@@ -583,7 +599,7 @@ pub(crate) fn launch_local_ring(
     pin_each: bool,
     wire_dtype: WireDtype,
     name: Option<String>,
-    groups: usize,
+    batch: BatchArgs,
     draft: &DraftArgs,
 ) -> Result<LocalRing> {
     let manifest = Manifest::load(manifest_path)?;
@@ -629,10 +645,9 @@ pub(crate) fn launch_local_ring(
     let head_args = HeadArgs {
         model_name: None,
         threads,
-        prefill_chunk: 256,
         max_body_kib: 1024,
         step_timeout_s: 300,
-        groups,
+        batch,
         kv_budget_kib: Some(kv_budget_kib),
         max_queue: 64,
         draft: draft.clone(),
@@ -669,7 +684,7 @@ pub fn up(a: UpArgs) -> Result<()> {
         pin_each,
         a.wire_dtype,
         name,
-        a.groups,
+        a.batch,
         &a.draft,
     )?;
     let rt = runtime()?;

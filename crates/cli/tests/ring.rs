@@ -335,7 +335,8 @@ fn half_precision_wire_runs_the_ring() {
 
 /// Many users at once, arriving at random times with prompts of different lengths, some
 /// sampling with a seed: each gets exactly what it gets alone from the unsplit model, whatever
-/// the micro-batch groups and prompt chunks it shared its steps with.
+/// the micro-batch groups and prompt chunks it shared its steps with, and whether its own
+/// prompt's chunks went round one at a time or several at once.
 #[test]
 fn concurrent_users_each_get_their_tokens_alone() {
     let tmp = tempfile::tempdir().unwrap();
@@ -344,7 +345,12 @@ fn concurrent_users_each_get_their_tokens_alone() {
     for users in [1usize, 4, 8] {
         let cases: Vec<(String, Option<u64>, usize)> = (0..users)
             .map(|i| {
-                let n = 1 + (i * 7 + users) % 40;
+                // A lone user's long prompt goes in chunks that follow each other round.
+                let n = if users == 1 {
+                    20
+                } else {
+                    1 + (i * 7 + users) % 40
+                };
                 let prompt: Vec<&str> = (0..n).map(|k| words[(k + i) % words.len()]).collect();
                 let seed = (i % 2 == 1).then_some(100 + i as u64);
                 (prompt.join(" "), seed, 8 + (i * 5) % 24)

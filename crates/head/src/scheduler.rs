@@ -57,6 +57,8 @@ struct Seq {
     events: mpsc::UnboundedSender<GenEvent>,
     /// Positions already in the stages' caches.
     fed: usize,
+    /// Prompt positions sent into the ring: ahead of `fed` while chunks are in it.
+    sent: usize,
     /// The last chosen token, not yet fed.
     next_input: Option<u32>,
     draws: Sampler,
@@ -103,6 +105,10 @@ pub(crate) struct State {
     seqs: BTreeMap<u64, Seq>,
     /// Per group, its step in the ring (if any).
     in_flight: Vec<Option<InFlight>>,
+    /// Prompt chunks sent while the same prompt's previous chunk was in the ring.
+    chunks: Vec<InFlight>,
+    /// Steps the ring holds at once without queueing: one per stage.
+    slots: usize,
     next_seq: u64,
     next_batch: u64,
     chunk: usize,
@@ -128,6 +134,7 @@ impl State {
         waiting: Arc<AtomicUsize>,
         spec: Option<Speculation>,
     ) -> Self {
+        let slots = budgets.len().max(1);
         Self {
             spec,
             reserved: vec![0; budgets.len()],
@@ -137,6 +144,8 @@ impl State {
             model,
             seqs: BTreeMap::new(),
             in_flight: (0..groups.max(1)).map(|_| None).collect(),
+            chunks: Vec::new(),
+            slots,
             next_seq: 0,
             next_batch: 0,
             chunk: config.prefill_chunk.max(1),
@@ -236,6 +245,7 @@ impl State {
                 req,
                 events,
                 fed: 0,
+                sent: 0,
                 next_input: None,
                 draws,
                 stop,
@@ -250,10 +260,13 @@ impl State {
         self.seqs.values().filter(|s| s.group == g).count()
     }
 
+    /// The steps in the ring.
+    fn in_ring(&self) -> impl Iterator<Item = &InFlight> {
+        self.in_flight.iter().flatten().chain(&self.chunks)
+    }
+
     fn busy(&self) -> Vec<u64> {
-        self.in_flight
-            .iter()
-            .flatten()
+        self.in_ring()
             .flat_map(|f| f.seqs.iter().map(|s| s.id))
             .collect()
     }
@@ -274,9 +287,60 @@ impl State {
         gone
     }
 
-    /// The next step: for an idle group that has sequences, after evening the idle groups
-    /// out. `None` when every group with work has its step in the ring.
+    /// The next step: for an idle group that has sequences ready, after evening the idle
+    /// groups out; else a prompt's next chunk while its previous one is in the ring, if the
+    /// ring has room. `None` when there is nothing to send.
     pub fn next_step(&mut self) -> Option<pb::Step> {
+        self.group_step().or_else(|| self.chunk_step())
+    }
+
+    /// A long prompt's next chunk, sent before the previous one comes back when the ring
+    /// holds fewer steps than it has stages: stage 0 reads chunk 2 while stage 1 reads chunk
+    /// 1, instead of each chunk going round alone. Only then, so a decoding sequence waits
+    /// behind at most one chunk at a stage, as before.
+    fn chunk_step(&mut self) -> Option<pb::Step> {
+        if self.in_ring().count() >= self.slots {
+            return None;
+        }
+        let (chunk, max_rows) = (self.chunk, self.max_rows);
+        let (&id, s) = self.seqs.iter_mut().find(|(_, s)| {
+            s.next_input.is_none() && s.fed < s.sent && s.sent < s.req.prompt.len()
+        })?;
+        let n = (s.req.prompt.len() - s.sent).min(chunk).min(max_rows);
+        let mut seq_step = pb::SeqStep {
+            seq_id: id,
+            n: n as u32,
+            ..Default::default()
+        };
+        let mut sampling = sampling_of(s);
+        let tokens = prompt_chunk(s, n, &mut seq_step, &mut sampling);
+        seq_step.sampling = Some(sampling);
+        if let Some(sp) = &self.spec {
+            draft_ahead(sp, id, s, &seq_step, &tokens);
+        }
+        self.next_batch += 1;
+        self.chunks.push(InFlight {
+            batch_id: self.next_batch,
+            seqs: vec![Fed {
+                id,
+                n,
+                proposals: vec![],
+                prompt: true,
+            }],
+            rows: n,
+            sent: std::time::Instant::now(),
+            deadline: tokio::time::Instant::now() + self.step_timeout,
+        });
+        Some(pb::Step {
+            batch_id: self.next_batch,
+            seqs: vec![seq_step],
+            tokens,
+            ..Default::default()
+        })
+    }
+
+    /// The next step of an idle group with sequences ready (not waiting for a chunk).
+    fn group_step(&mut self) -> Option<pb::Step> {
         let idle: Vec<usize> = (0..self.in_flight.len())
             .filter(|&g| self.in_flight[g].is_none())
             .collect();
@@ -299,7 +363,10 @@ impl State {
                 .expect("a heavy group has sequences");
             moved.group = light;
         }
-        let group = idle.into_iter().find(|&g| self.group_size(g) > 0)?;
+        let ready = |s: &Seq| s.next_input.is_some() || s.sent == s.fed;
+        let group = idle
+            .into_iter()
+            .find(|&g| self.seqs.values().any(|s| s.group == g && ready(s)))?;
         let mut step = pb::Step::default();
         let mut fed = Vec::new();
         let mut rows = 0;
@@ -313,7 +380,7 @@ impl State {
         order.extend(
             self.seqs
                 .iter()
-                .filter(|(_, s)| s.group == group && s.next_input.is_none())
+                .filter(|(_, s)| s.group == group && s.next_input.is_none() && ready(s))
                 .map(|(id, _)| *id),
         );
         // Prompt rows per step are bounded by one chunk, shared in arrival order: a long
@@ -330,7 +397,7 @@ impl State {
             .iter()
             .map(|id| &self.seqs[id])
             .filter(|s| s.next_input.is_none())
-            .map(|s| s.req.prompt.len() - s.fed)
+            .map(|s| s.req.prompt.len() - s.sent)
             .sum::<usize>()
             .min(self.chunk);
         let mut expected = 0.0;
@@ -346,13 +413,7 @@ impl State {
                 pos: s.fed as u32,
                 ..Default::default()
             };
-            let mut sampling = pb::Sampling {
-                temperature: s.req.sampling.temperature,
-                top_k: s.req.sampling.top_k as u32,
-                top_p: s.req.sampling.top_p,
-                logprobs: s.req.logprobs,
-                ..Default::default()
-            };
+            let mut sampling = sampling_of(s);
             let tokens: Vec<u32> = match s.next_input {
                 Some(t) => {
                     decoding_after -= 1;
@@ -396,17 +457,14 @@ impl State {
                     tokens
                 }
                 None => {
-                    let left = s.req.prompt.len() - s.fed;
-                    let n = left.min(prefill_budget).min(budget);
+                    let n = (s.req.prompt.len() - s.sent)
+                        .min(prefill_budget)
+                        .min(budget);
                     if n == 0 {
                         continue;
                     }
                     prefill_budget -= n;
-                    if n == left {
-                        seq_step.output = pb::Output::Last as i32;
-                        sampling.uniforms = vec![s.draws.uniform(g, Lane::Sample)];
-                    }
-                    s.req.prompt[s.fed..s.fed + n].to_vec()
+                    prompt_chunk(s, n, &mut seq_step, &mut sampling)
                 }
             };
             if let Some(sp) = &self.spec {
@@ -438,16 +496,17 @@ impl State {
 
     /// When the oldest step in the ring is due back.
     pub fn deadline(&self) -> Option<tokio::time::Instant> {
-        self.in_flight.iter().flatten().map(|f| f.deadline).min()
+        self.in_ring().map(|f| f.deadline).min()
     }
 
     /// Applies a step's result; returns the sequences that ended (to release).
     pub fn on_result(&mut self, r: pb::StepResult) -> Vec<u64> {
-        let Some(f) = self
-            .in_flight
-            .iter_mut()
-            .find_map(|slot| slot.take_if(|f| f.batch_id == r.batch_id))
-        else {
+        let chunk = self.chunks.iter().position(|f| f.batch_id == r.batch_id);
+        let Some(f) = chunk.map(|i| self.chunks.remove(i)).or_else(|| {
+            self.in_flight
+                .iter_mut()
+                .find_map(|slot| slot.take_if(|f| f.batch_id == r.batch_id))
+        }) else {
             tracing::warn!(
                 batch = r.batch_id,
                 "a result for no step in flight; ignored"
@@ -588,11 +647,16 @@ impl State {
 
     /// Fails the sequences of every step overdue at `now`; returns them (to release).
     pub fn fail_overdue(&mut self, now: tokio::time::Instant, msg: &str) -> Vec<u64> {
-        let overdue: Vec<InFlight> = self
+        let mut overdue: Vec<InFlight> = self
             .in_flight
             .iter_mut()
             .filter_map(|slot| slot.take_if(|f| f.deadline <= now))
             .collect();
+        let (late, on_time) = std::mem::take(&mut self.chunks)
+            .into_iter()
+            .partition(|f| f.deadline <= now);
+        self.chunks = on_time;
+        overdue.extend::<Vec<InFlight>>(late);
         overdue.iter().flat_map(|f| self.fail(f, msg)).collect()
     }
 
@@ -610,6 +674,7 @@ impl State {
     /// Fails every sequence (the ring went down): their caches may be gone.
     pub fn fail_all(&mut self, msg: &str) -> Vec<u64> {
         self.in_flight.iter_mut().for_each(|f| *f = None);
+        self.chunks.clear();
         let ids: Vec<u64> = self.seqs.keys().copied().collect();
         for id in &ids {
             if let Some(s) = self.remove(*id) {
@@ -618,6 +683,35 @@ impl State {
         }
         ids
     }
+}
+
+/// A step's sampling settings for sequence `s` (its draws are added per row).
+fn sampling_of(s: &Seq) -> pb::Sampling {
+    pb::Sampling {
+        temperature: s.req.sampling.temperature,
+        top_k: s.req.sampling.top_k as u32,
+        top_p: s.req.sampling.top_p,
+        logprobs: s.req.logprobs,
+        ..Default::default()
+    }
+}
+
+/// The next `n` prompt tokens of `s` as its part of a step: from the first position not yet
+/// sent, with the first token's draw when they end the prompt.
+fn prompt_chunk(
+    s: &mut Seq,
+    n: usize,
+    seq_step: &mut pb::SeqStep,
+    sampling: &mut pb::Sampling,
+) -> Vec<u32> {
+    seq_step.pos = s.sent as u32;
+    let tokens = s.req.prompt[s.sent..s.sent + n].to_vec();
+    s.sent += n;
+    if s.sent == s.req.prompt.len() {
+        seq_step.output = pb::Output::Last as i32;
+        sampling.uniforms = vec![s.draws.uniform(s.generated as u64, Lane::Sample)];
+    }
+    tokens
 }
 
 /// Undrafted steps after which a sequence whose drafts do not seem to pay drafts one anyway.
@@ -694,7 +788,7 @@ fn draft_ahead(sp: &Speculation, id: u64, s: &Seq, step: &pb::SeqStep, tokens: &
             (s.context.clone(), k.min(left))
         }
         None => {
-            let read = s.req.prompt[..s.fed + tokens.len()].to_vec();
+            let read = s.req.prompt[..s.sent].to_vec();
             sp.drafter.ahead(id, read, 0, greedy);
             return;
         }
@@ -792,6 +886,16 @@ mod tests_support {
     }
 
     pub fn state_with(chunk: usize, groups: usize, spec: Option<Speculation>) -> State {
+        state_on(chunk, groups, 1, spec)
+    }
+
+    /// A state for a ring of `stages` stages.
+    pub fn state_on(
+        chunk: usize,
+        groups: usize,
+        stages: usize,
+        spec: Option<Speculation>,
+    ) -> State {
         let tmp = tempfile::tempdir().unwrap();
         let path = tiny_model(tmp.path(), Flavour::Llama, 1);
         let g = GgufFile::open(&path).unwrap();
@@ -809,7 +913,7 @@ mod tests_support {
             Arc::new(model),
             &config,
             groups,
-            vec![(u64::MAX / 2, 1)],
+            vec![(u64::MAX / 2, 1); stages],
             Arc::default(),
             spec,
         )
@@ -971,6 +1075,65 @@ mod group_tests {
             st.admit(request(3, 50), tx);
         }
         assert_eq!((st.group_size(0), st.group_size(1)), (4, 3));
+    }
+
+    fn shape(step: &pb::Step) -> (u64, u32, u32, bool) {
+        let s = &step.seqs[0];
+        (s.seq_id, s.pos, s.n, s.output == pb::Output::Last as i32)
+    }
+
+    #[test]
+    fn a_long_prompt_pipelines_its_chunks_but_leaves_room_for_other_groups() {
+        let mut st = state_on(8, 2, 2, None);
+        let (tx, _rx) = mpsc::unbounded_channel();
+        st.admit(request(30, 2), tx);
+        // Alone, the prompt's second chunk follows the first into the ring: one per stage.
+        let c1 = st.next_step().unwrap();
+        let c2 = st.next_step().unwrap();
+        assert!(st.next_step().is_none(), "two stages hold two steps");
+        assert_eq!(
+            (shape(&c1), shape(&c2)),
+            ((1, 0, 8, false), (1, 8, 8, false))
+        );
+        assert!(st.on_result(reply(&c1, 0)).is_empty());
+        let c3 = st.next_step().unwrap();
+        assert!(st.next_step().is_none());
+        assert!(st.on_result(reply(&c2, 0)).is_empty());
+        let c4 = st.next_step().unwrap();
+        assert_eq!(
+            (shape(&c3), shape(&c4)),
+            ((1, 16, 8, false), (1, 24, 6, true))
+        );
+        assert!(st.on_result(reply(&c3, 0)).is_empty());
+        assert!(
+            st.next_step().is_none(),
+            "the prompt's end is still in the ring"
+        );
+        assert!(st.on_result(reply(&c4, 120)).is_empty());
+        let d = st.next_step().unwrap();
+        assert_eq!(shape(&d), (1, 30, 1, true));
+        assert_eq!(d.tokens, vec![120]);
+
+        // With another user in the other group, the ring is full with one step per group:
+        // the long prompt goes one chunk at a time and the short one keeps decoding.
+        let mut st = state_on(8, 2, 2, None);
+        let (tx, _rx2) = mpsc::unbounded_channel();
+        st.admit(request(3, 50), tx);
+        let (tx, _rx3) = mpsc::unbounded_channel();
+        st.admit(request(30, 2), tx);
+        let a = st.next_step().unwrap();
+        let b = st.next_step().unwrap();
+        assert!(st.next_step().is_none());
+        assert_eq!((shape(&a), shape(&b)), ((1, 0, 3, true), (2, 0, 8, false)));
+        assert!(st.on_result(reply(&a, 120)).is_empty());
+        let a2 = st.next_step().unwrap();
+        assert_eq!(shape(&a2), (1, 3, 1, true));
+        assert!(
+            st.next_step().is_none(),
+            "no chunk while both groups are out"
+        );
+        assert!(st.on_result(reply(&b, 0)).is_empty());
+        assert_eq!(shape(&st.next_step().unwrap()), (2, 8, 8, false));
     }
 }
 
