@@ -533,7 +533,8 @@ impl Tuner {
         self.seen.as_prior()
     }
 
-    /// A step of `rows` rows took `us` from sending to its result.
+    /// A step of `rows` rows took `us` of its own: from sending to its result, less the time
+    /// it waited at stages behind other steps.
     pub fn observe_step(&mut self, rows: usize, us: f64) {
         let x = rows as f64;
         let [n, sx, sy, sxx, sxy] = &mut self.sums;
@@ -546,6 +547,12 @@ impl Tuner {
     #[cfg(test)]
     pub fn steps_seen(&self) -> f64 {
         self.sums[0]
+    }
+
+    /// The mean time of the steps the line was fitted to.
+    #[cfg(test)]
+    pub fn mean_step_us(&self) -> f64 {
+        self.sums[2] / self.sums[0]
     }
 
     /// Drafting `proposals` tokens took `us`, the draft model feeding `fed` tokens (0 for

@@ -58,7 +58,9 @@ pub struct HeadConfig {
     pub limits: Limits,
     /// Element type of the hidden states stage 0 sends.
     pub wire_dtype: WireDtype,
-    /// Longest prompt chunk in one step.
+    /// Longest prompt chunk in one step. Small enough that a long prompt's chunks keep every
+    /// stage busy: one 512-token prompt on the 1.5B over 2 stages reached its first token in
+    /// 8.5-9.3 s at 64, 9.5-12.1 s at 128 and 11.4-12.7 s at 256.
     pub prefill_chunk: usize,
     /// A step not back after this long fails its sequences.
     pub step_timeout: Duration,
@@ -84,7 +86,7 @@ impl Default for HeadConfig {
             token: String::new(),
             limits: Limits::default(),
             wire_dtype: WireDtype::F32,
-            prefill_chunk: 256,
+            prefill_chunk: 64,
             step_timeout: Duration::from_secs(300),
             health_interval: Duration::from_secs(1),
             groups: 0,

@@ -526,9 +526,14 @@ impl State {
         // Only decoding steps teach the step line: a prompt chunk's rows cost several times a
         // decoding row's (prefill is compute-bound), and fitted to both, the line priced a
         // proposal at ~27 ms on the 1.5B, so 8 users on code prompts drafted almost nothing.
+        //
+        // Nor is the time a step waited at a stage for another group's step its own: with 8
+        // users on code prompts, round trips fitted a line of 30 ms a step and 34 ms a row
+        // (the stages say ~90 and ~12), and drafting took the ring from 4.0x to 2.8x.
         let decoding = f.seqs.iter().all(|fed| !fed.prompt);
+        let own_us = total_us.saturating_sub(queue_us.iter().sum());
         if let (Some(sp), true) = (&mut self.spec, decoding) {
-            sp.tuner.observe_step(f.rows, total_us as f64);
+            sp.tuner.observe_step(f.rows, own_us as f64);
         }
         let mut ended = Vec::new();
         for fed in &f.seqs {
@@ -1257,8 +1262,18 @@ mod speculation_tests {
         // The target accepts 7, replaces 8 with 1: two tokens; position 11 is rolled back.
         let mut r = reply(&step, 0);
         r.seqs[0].tokens = vec![7, 1];
+        // It was 2 s round the ring, 1.5 s of them waiting at stage 0 behind another step:
+        // the step line learns 0.5 s.
+        st.in_flight[0].as_mut().unwrap().sent -= std::time::Duration::from_secs(2);
+        r.timings = vec![pb::StageTiming {
+            stage: 0,
+            compute_us: 400_000,
+            queue_us: 1_500_000,
+        }];
         assert!(st.on_result(r).is_empty());
         assert_eq!(steps_seen(&st), 1.0);
+        let mean = st.spec.as_ref().unwrap().tuner.mean_step_us();
+        assert!((500_000.0..600_000.0).contains(&mean), "{mean}");
         let step = st.next_step().unwrap();
         assert_eq!(step.seqs[0].pos, 11);
         assert_eq!(step.tokens[0], 1);
