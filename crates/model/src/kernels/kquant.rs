@@ -326,7 +326,9 @@ pub fn matmul_rows_major(
     );
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => avx2::matmul(fmt, w, rb, xs, out),
+        Isa::Avx2 => avx2::matmul(fmt, w, rb, xs, out, false),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni => avx2::matmul(fmt, w, rb, xs, out, true),
         _ => {
             for (k, dst) in out.chunks_mut(n).enumerate() {
                 for (x, d) in xs.iter().zip(dst.iter_mut()) {
@@ -346,9 +348,10 @@ mod avx2 {
 
     /// `out[k * xs.len() + i] = w[k] · xs[i]` for every row of `w` (rows of `rb` bytes, in
     /// interleaved groups of eight): every group against every activation row; the float lanes
-    /// are the group's rows.
-    pub fn matmul(fmt: Format, w: &[u8], rb: usize, xs: &[QuantK], out: &mut [f32]) {
-        assert_eq!(Isa::detect(), Isa::Avx2, "the AVX2 kernels need AVX2");
+    /// are the group's rows. `vnni`: with AVX-512 VNNI's dot products.
+    pub fn matmul(fmt: Format, w: &[u8], rb: usize, xs: &[QuantK], out: &mut [f32], vnni: bool) {
+        let isa = if vnni { Isa::Avx512Vnni } else { Isa::Avx2 };
+        assert!(isa.supported(), "this CPU has no {isa:?}");
         let n = xs.len();
         let nb = xs[0].d.len();
         assert!(rb == nb * fmt.block_bytes() && w.len().is_multiple_of(rb));
@@ -365,13 +368,15 @@ mod avx2 {
                 let a = &mut accs[c * MAX_ROWS..];
                 macro_rules! go {
                     ($($k:literal)*) => {
-                        match (fmt, xc.len()) {
+                        match (fmt, xc.len(), vnni) {
                             $(
-                                // SAFETY: AVX2 checked above; sizes checked above.
-                                (Format::Q4K, $k) => unsafe { q4k::<$k>(wg, xc, a) },
-                                (Format::Q6K, $k) => unsafe { q6k::<$k>(wg, xc, a) },
+                                // SAFETY: the ISA checked above; sizes checked above.
+                                (Format::Q4K, $k, false) => unsafe { q4k::<$k>(wg, xc, a) },
+                                (Format::Q6K, $k, false) => unsafe { q6k::<$k>(wg, xc, a) },
+                                (Format::Q4K, $k, true) => unsafe { q4k_vnni::<$k>(wg, xc, a) },
+                                (Format::Q6K, $k, true) => unsafe { q6k_vnni::<$k>(wg, xc, a) },
                             )*
-                            (f, k) => unreachable!("{f:?} with {k} rows"),
+                            (f, k, _) => unreachable!("{f:?} with {k} rows"),
                         }
                     };
                 }
@@ -395,8 +400,36 @@ mod avx2 {
     /// AVX2 and F16C; `gw` holds `xs[i].d.len()` group blocks; `N == xs.len() <= accs.len()`.
     #[target_feature(enable = "avx2,f16c")]
     unsafe fn q4k<const N: usize>(gw: &[u8], xs: &[QuantK], accs: &mut [[f32; 8]]) {
+        // SAFETY: per the contract.
+        unsafe { q4k_body::<N, false>(gw, xs, accs) }
+    }
+
+    /// [`q4k`] with VNNI.
+    ///
+    /// # Safety
+    /// As [`q4k`], and AVX-512 VNNI and VL.
+    #[target_feature(enable = "avx2,f16c,avx512vnni,avx512vl")]
+    unsafe fn q4k_vnni<const N: usize>(gw: &[u8], xs: &[QuantK], accs: &mut [[f32; 8]]) {
+        // SAFETY: per the contract.
+        unsafe { q4k_body::<N, true>(gw, xs, accs) }
+    }
+
+    /// [`q4k`]'s work, compiled into each caller with its instruction set. With `VNNI`, each
+    /// 4-wide product sum goes straight into i32 lanes (`dpbusd`), which are scaled by the
+    /// sub-block scales with one i32 multiply; without, into i16 lanes (`maddubs`, then an
+    /// add) scaled with `madd`. The integers are the same.
+    ///
+    /// # Safety
+    /// As [`q4k`] or [`q4k_vnni`].
+    #[inline(always)]
+    unsafe fn q4k_body<const N: usize, const VNNI: bool>(
+        gw: &[u8],
+        xs: &[QuantK],
+        accs: &mut [[f32; 8]],
+    ) {
         use super::{Q4K_GROUP_BYTES as GB, Q4K_MIN, Q4K_NIB, Q4K_SC};
-        let m4 = _mm256_set1_epi8(0x0F);
+        // SAFETY: a register operation (the callers run with AVX2).
+        let m4 = unsafe { _mm256_set1_epi8(0x0F) };
         let nb = xs[0].d.len();
         let qs: [*const u8; N] = std::array::from_fn(|i| xs[i].q.as_ptr().cast());
         let b32: [*const i16; N] = std::array::from_fn(|i| xs[i].bs32.as_ptr());
@@ -415,7 +448,11 @@ mod avx2 {
                 // Sub-block 2c + h: the low (h = 0) or high halves of chunk c's bytes.
                 let mut sub = |c: usize, h: usize| {
                     let s8 = _mm_loadl_epi64(gb.add(Q4K_SC + 8 * (2 * c + h)).cast());
-                    let sc = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(s8, s8));
+                    let sc = if VNNI {
+                        _mm256_cvtepu8_epi32(s8)
+                    } else {
+                        _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(s8, s8))
+                    };
                     let mut p = [_mm256_setzero_si256(); N];
                     for k in 0..8 {
                         let v = ld(gb.add(Q4K_NIB + (8 * c + k) * 32));
@@ -426,12 +463,21 @@ mod avx2 {
                         };
                         for i in 0..N {
                             let a = bcast4(qs[i].add(b * QK + 64 * c + 32 * h + 4 * k));
-                            // At most 8 · 2 · 15 · 127 = 30480: no i16 overflow.
-                            p[i] = _mm256_add_epi16(p[i], _mm256_maddubs_epi16(u, a));
+                            p[i] = if VNNI {
+                                _mm256_dpbusd_epi32(p[i], u, a)
+                            } else {
+                                // At most 8 · 2 · 15 · 127 = 30480: no i16 overflow.
+                                _mm256_add_epi16(p[i], _mm256_maddubs_epi16(u, a))
+                            };
                         }
                     }
                     for i in 0..N {
-                        isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(p[i], sc));
+                        let scaled = if VNNI {
+                            _mm256_mullo_epi32(p[i], sc)
+                        } else {
+                            _mm256_madd_epi16(p[i], sc)
+                        };
+                        isum[i] = _mm256_add_epi32(isum[i], scaled);
                     }
                 };
                 // One activation row: both halves of a chunk in turn, each chunk's bytes loaded
@@ -473,6 +519,30 @@ mod avx2 {
     /// AVX2 and F16C; `gw` holds `xs[i].d.len()` group blocks; `N == xs.len() <= accs.len()`.
     #[target_feature(enable = "avx2,f16c")]
     unsafe fn q6k<const N: usize>(gw: &[u8], xs: &[QuantK], accs: &mut [[f32; 8]]) {
+        // SAFETY: per the contract.
+        unsafe { q6k_body::<N, false>(gw, xs, accs) }
+    }
+
+    /// [`q6k`] with VNNI.
+    ///
+    /// # Safety
+    /// As [`q6k`], and AVX-512 VNNI and VL.
+    #[target_feature(enable = "avx2,f16c,avx512vnni,avx512vl")]
+    unsafe fn q6k_vnni<const N: usize>(gw: &[u8], xs: &[QuantK], accs: &mut [[f32; 8]]) {
+        // SAFETY: per the contract.
+        unsafe { q6k_body::<N, true>(gw, xs, accs) }
+    }
+
+    /// [`q6k`]'s work, compiled into each caller with its instruction set (see [`q4k_body`]).
+    ///
+    /// # Safety
+    /// As [`q6k`] or [`q6k_vnni`].
+    #[inline(always)]
+    unsafe fn q6k_body<const N: usize, const VNNI: bool>(
+        gw: &[u8],
+        xs: &[QuantK],
+        accs: &mut [[f32; 8]],
+    ) {
         use super::{Q6K_GROUP_BYTES as GB, Q6K_QL, Q6K_SC};
         let nb = xs[0].d.len();
         let qs: [*const u8; N] = std::array::from_fn(|i| xs[i].q.as_ptr().cast());
@@ -498,13 +568,13 @@ mod avx2 {
                 for h in 0..2 {
                     let at: [*const u8; N] = std::array::from_fn(|i| qs[i].add(b * QK + 128 * h));
                     if N == 1 {
-                        q6k_half_one(gb, h, at[0], &mut isum[0]);
+                        q6k_half_one::<VNNI>(gb, h, at[0], &mut isum[0]);
                         continue;
                     }
-                    q6k_quarter::<N, 0>(gb, h, at, &mut isum);
-                    q6k_quarter::<N, 1>(gb, h, at, &mut isum);
-                    q6k_quarter::<N, 2>(gb, h, at, &mut isum);
-                    q6k_quarter::<N, 3>(gb, h, at, &mut isum);
+                    q6k_quarter::<N, 0, VNNI>(gb, h, at, &mut isum);
+                    q6k_quarter::<N, 1, VNNI>(gb, h, at, &mut isum);
+                    q6k_quarter::<N, 2, VNNI>(gb, h, at, &mut isum);
+                    q6k_quarter::<N, 3, VNNI>(gb, h, at, &mut isum);
                 }
                 for i in 0..N {
                     // The −32 offset of every value: Σ_j sc_j · (sum of sub-block j's q).
@@ -546,6 +616,23 @@ mod avx2 {
         }
     }
 
+    /// [`q6k_scale`] once per row, as i32 (for VNNI's i32 sums).
+    ///
+    /// # Safety
+    /// As [`q6k_scale`].
+    #[inline(always)]
+    unsafe fn q6k_scale32(gb: *const u8, j: usize) -> __m256i {
+        // SAFETY: per the contract.
+        unsafe {
+            let pair = _mm_loadu_si128(gb.add(super::Q6K_SC + 16 * (j / 2)).cast());
+            let sel = _mm_add_epi8(
+                _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0),
+                _mm_set1_epi8((j % 2) as i8),
+            );
+            _mm256_cvtepi8_epi32(_mm_shuffle_epi8(pair, sel))
+        }
+    }
+
     /// Quarter `s`'s unsigned 6-bit values of one 4-byte column: the low (s < 2) or high nibbles
     /// of `ql` (the column's low bits for quarters `s % 2` and `s % 2 + 2`) with bits `2s` and
     /// `2s + 1` of `qh` on top.
@@ -577,10 +664,10 @@ mod avx2 {
     /// to `isum[i]`.
     ///
     /// # Safety
-    /// AVX2; `gb` is a whole group block and each `at[i]` has 128 readable values.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn q6k_quarter<const N: usize, const S: usize>(
+    /// AVX2 (and VNNI with `VNNI`); `gb` is a whole group block and each `at[i]` has 128
+    /// readable values.
+    #[inline(always)]
+    unsafe fn q6k_quarter<const N: usize, const S: usize, const VNNI: bool>(
         gb: *const u8,
         h: usize,
         at: [*const u8; N],
@@ -590,6 +677,24 @@ mod avx2 {
         for jj in 0..2 {
             // SAFETY (every access below): inside the group block, or within the 128 values.
             unsafe {
+                if VNNI {
+                    // A sub-block's four columns summed in i32, then scaled once.
+                    let sc = q6k_scale32(gb, 8 * h + 2 * S + jj);
+                    let mut p = [_mm256_setzero_si256(); N];
+                    for kk in 4 * jj..4 * jj + 4 {
+                        let ql = ld(gb.add(Q6K_QL + Q6K_HALF * h + 32 * (8 * (S % 2) + kk)));
+                        let qh = ld(gb.add(Q6K_QH + Q6K_HALF * h + 32 * kk));
+                        let u = q6k_unpack(S, ql, qh);
+                        for i in 0..N {
+                            let a = bcast4(at[i].add(32 * S + 4 * kk));
+                            p[i] = _mm256_dpbusd_epi32(p[i], u, a);
+                        }
+                    }
+                    for i in 0..N {
+                        isum[i] = _mm256_add_epi32(isum[i], _mm256_mullo_epi32(p[i], sc));
+                    }
+                    continue;
+                }
                 let sc = q6k_scale(gb, 8 * h + 2 * S + jj);
                 // Two pairs of 4-byte columns: an i16 sum of two products of at most
                 // 2 · 63 · 127 each stays below 32768.
@@ -618,9 +723,13 @@ mod avx2 {
     ///
     /// # Safety
     /// As [`q6k_quarter`].
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn q6k_half_one(gb: *const u8, h: usize, at: *const u8, isum: &mut __m256i) {
+    #[inline(always)]
+    unsafe fn q6k_half_one<const VNNI: bool>(
+        gb: *const u8,
+        h: usize,
+        at: *const u8,
+        isum: &mut __m256i,
+    ) {
         use super::{Q6K_HALF, Q6K_QH, Q6K_QL};
         // SAFETY (every access below): inside the group block, or within the 128 values.
         unsafe {
@@ -630,6 +739,32 @@ mod avx2 {
             let qh_at = |kk: usize| gb.add(Q6K_QH + Q6K_HALF * h + 32 * kk);
             for quad in 0..2 {
                 // Quarter s's sub-block here is 8h + 2s + quad.
+                if VNNI {
+                    let mut p = [_mm256_setzero_si256(); 4];
+                    for kk in 4 * quad..4 * quad + 4 {
+                        let (qa, qb, qh) = (ld(qa_at(kk)), ld(qb_at(kk)), ld(qh_at(kk)));
+                        if kk % 2 == 0 {
+                            for q in [qa_at(kk), qb_at(kk), qh_at(kk)] {
+                                fetch(q.wrapping_add(STREAM_AHEAD), 1);
+                            }
+                        }
+                        let u = [
+                            q6k_unpack(0, qa, qh),
+                            q6k_unpack(1, qb, qh),
+                            q6k_unpack(2, qa, qh),
+                            q6k_unpack(3, qb, qh),
+                        ];
+                        for s in 0..4 {
+                            let a = bcast4(at.add(32 * s + 4 * kk));
+                            p[s] = _mm256_dpbusd_epi32(p[s], u[s], a);
+                        }
+                    }
+                    for (s, ps) in p.iter().enumerate() {
+                        let sc = q6k_scale32(gb, 8 * h + 2 * s + quad);
+                        *isum = _mm256_add_epi32(*isum, _mm256_mullo_epi32(*ps, sc));
+                    }
+                    continue;
+                }
                 let sc: [__m256i; 4] = std::array::from_fn(|s| q6k_scale(gb, 8 * h + 2 * s + quad));
                 for pair in 0..2 {
                     let mut p = [_mm256_setzero_si256(); 4];
@@ -722,13 +857,20 @@ mod tests {
                         matmul_rows_major(fmt, &data, 0, cols, xs, &mut out, isa);
                         out.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
                     };
-                    let simd = run(Isa::detect(), &xs);
-                    assert_eq!(simd, run(Isa::Scalar, &xs), "{fmt:?} cols={cols} n={n}");
-                    // Each activation row alone gives the same bits as in the batch.
-                    for i in 0..n {
-                        let one = run(Isa::detect(), &xs[i..i + 1]);
-                        for r in 0..rows {
-                            assert_eq!(one[r], simd[r * n + i], "{fmt:?} n={n} row {i}");
+                    let reference = run(Isa::Scalar, &xs);
+                    for &isa in &Isa::available()[1..] {
+                        let simd = run(isa, &xs);
+                        assert_eq!(simd, reference, "{isa:?} {fmt:?} cols={cols} n={n}");
+                        // Each activation row alone gives the same bits as in the batch.
+                        for i in 0..n {
+                            let one = run(isa, &xs[i..i + 1]);
+                            for r in 0..rows {
+                                assert_eq!(
+                                    one[r],
+                                    simd[r * n + i],
+                                    "{isa:?} {fmt:?} n={n} row {i}"
+                                );
+                            }
                         }
                     }
                 }

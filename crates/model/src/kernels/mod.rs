@@ -63,28 +63,60 @@ pub use kquant::QuantK;
 pub use q32::Quant32;
 
 /// Which instruction set the kernels use.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Isa {
     /// Portable Rust: the reference.
     Scalar,
     /// x86-64 AVX2 with FMA and F16C.
     Avx2,
+    /// AVX2 plus AVX-512 VNNI on 256-bit registers (with VL): one instruction for what takes
+    /// AVX2 two (`maddubs` and an add) in the K formats' dot products, and 32 vector registers.
+    Avx512Vnni,
 }
 
 impl Isa {
-    /// The best this CPU supports.
+    /// The best this CPU supports, or the one `PIPESHARD_ISA` (`scalar`, `avx2`,
+    /// `avx512vnni`) asks for if the CPU has it: for measuring one against another.
     pub fn detect() -> Self {
         static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
         *ISA.get_or_init(|| {
-            #[cfg(target_arch = "x86_64")]
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-                && std::arch::is_x86_feature_detected!("f16c")
-            {
-                return Isa::Avx2;
-            }
-            Isa::Scalar
+            let all = Self::available();
+            let asked = std::env::var("PIPESHARD_ISA").ok().and_then(|v| {
+                all.iter()
+                    .copied()
+                    .find(|i| format!("{i:?}").eq_ignore_ascii_case(v.trim()))
+            });
+            asked.unwrap_or(*all.last().expect("scalar is always there"))
         })
+    }
+
+    /// Every instruction set this CPU runs, worst first.
+    pub fn available() -> &'static [Self] {
+        static ALL: std::sync::OnceLock<Vec<Isa>> = std::sync::OnceLock::new();
+        ALL.get_or_init(|| {
+            let mut all = vec![Isa::Scalar];
+            #[cfg(target_arch = "x86_64")]
+            {
+                use std::arch::is_x86_feature_detected as has;
+                if has!("avx2") && has!("fma") && has!("f16c") {
+                    all.push(Isa::Avx2);
+                    if has!("avx512vnni") && has!("avx512vl") {
+                        all.push(Isa::Avx512Vnni);
+                    }
+                }
+            }
+            all
+        })
+    }
+
+    /// Whether this CPU runs `self`.
+    pub fn supported(self) -> bool {
+        Self::available().contains(&self)
+    }
+
+    /// Whether the AVX2 kernels run (the VNNI ones are AVX2 kernels with more instructions).
+    pub fn has_avx2(self) -> bool {
+        self >= Isa::Avx2
     }
 }
 
@@ -97,7 +129,7 @@ pub fn quantize_block(x: &[f32], q: &mut [i8]) -> f32 {
     match Isa::detect() {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Avx2` is chosen only on CPUs with AVX2; lengths checked above.
-        Isa::Avx2 => unsafe { quantize_block_avx2(x, q) },
+        Isa::Avx2 | Isa::Avx512Vnni => unsafe { quantize_block_avx2(x, q) },
         _ => quantize_block_scalar(x, q),
     }
 }

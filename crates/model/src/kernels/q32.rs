@@ -218,7 +218,8 @@ pub fn matmul_rows_major(
     );
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => avx2::matmul(fmt, w, rb, xs, out),
+        // Q8_0, Q4_1 and Q5_0 have no VNNI kernels yet: AVX2 ones.
+        Isa::Avx2 | Isa::Avx512Vnni => avx2::matmul(fmt, w, rb, xs, out),
         _ => {
             for (k, dst) in out.chunks_mut(n).enumerate() {
                 for (x, d) in xs.iter().zip(dst.iter_mut()) {
@@ -243,7 +244,7 @@ mod avx2 {
     /// `out[k * xs.len() + i] = w[k] · xs[i]` for every row of `w` (rows of `rb` bytes, whole
     /// groups of eight).
     pub fn matmul(fmt: Format, w: &[u8], rb: usize, xs: &[Quant32], out: &mut [f32]) {
-        assert_eq!(Isa::detect(), Isa::Avx2, "the AVX2 kernels need AVX2");
+        assert!(Isa::detect().has_avx2(), "the AVX2 kernels need AVX2");
         let n = xs.len();
         let nb = xs[0].d.len();
         assert!(rb == nb * fmt.block_bytes() && w.len().is_multiple_of(ROWS * rb));
