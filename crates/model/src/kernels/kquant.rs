@@ -368,15 +368,13 @@ mod avx2 {
                 let a = &mut accs[c * MAX_ROWS..];
                 macro_rules! go {
                     ($($k:literal)*) => {
-                        match (fmt, xc.len(), vnni) {
+                        match (xc.len(), vnni) {
                             $(
                                 // SAFETY: the ISA checked above; sizes checked above.
-                                (Format::Q4K, $k, false) => unsafe { q4k::<$k>(wg, xc, a) },
-                                (Format::Q6K, $k, false) => unsafe { q6k::<$k>(wg, xc, a) },
-                                (Format::Q4K, $k, true) => unsafe { q4k_vnni::<$k>(wg, xc, a) },
-                                (Format::Q6K, $k, true) => unsafe { q6k_vnni::<$k>(wg, xc, a) },
+                                ($k, false) => unsafe { group_avx2::<$k>(fmt, wg, xc, a) },
+                                ($k, true) => unsafe { group_vnni::<$k>(fmt, wg, xc, a) },
                             )*
-                            (f, k, _) => unreachable!("{f:?} with {k} rows"),
+                            (k, _) => unreachable!("{k} rows"),
                         }
                     };
                 }
@@ -393,36 +391,58 @@ mod avx2 {
     /// How far ahead a single-row Q6_K pass fetches.
     const STREAM_AHEAD: usize = 4096;
 
-    /// Adds one group of eight interleaved Q4_K rows (`gw`: its blocks) against `xs[i]` to the
-    /// row lanes `accs[i]`.
+    /// One group of eight interleaved rows of `fmt` (`gw`: its blocks) against `xs[i]`, added
+    /// to the row lanes `accs[i]`, with AVX2.
     ///
     /// # Safety
     /// AVX2 and F16C; `gw` holds `xs[i].d.len()` group blocks; `N == xs.len() <= accs.len()`.
     #[target_feature(enable = "avx2,f16c")]
-    unsafe fn q4k<const N: usize>(gw: &[u8], xs: &[QuantK], accs: &mut [[f32; 8]]) {
+    unsafe fn group_avx2<const N: usize>(
+        fmt: Format,
+        gw: &[u8],
+        xs: &[QuantK],
+        accs: &mut [[f32; 8]],
+    ) {
         // SAFETY: per the contract.
-        unsafe { q4k_body::<N, false>(gw, xs, accs) }
+        unsafe {
+            match fmt {
+                Format::Q4K => q4k::<N, false>(gw, xs, accs),
+                Format::Q6K => q6k::<N, false>(gw, xs, accs),
+                other => unreachable!("{other:?} is not a K format"),
+            }
+        }
     }
 
-    /// [`q4k`] with VNNI.
+    /// [`group_avx2`] with AVX-512 VNNI's dot products.
     ///
     /// # Safety
-    /// As [`q4k`], and AVX-512 VNNI and VL.
+    /// As [`group_avx2`], and AVX-512 VNNI and VL.
     #[target_feature(enable = "avx2,f16c,avx512vnni,avx512vl")]
-    unsafe fn q4k_vnni<const N: usize>(gw: &[u8], xs: &[QuantK], accs: &mut [[f32; 8]]) {
+    unsafe fn group_vnni<const N: usize>(
+        fmt: Format,
+        gw: &[u8],
+        xs: &[QuantK],
+        accs: &mut [[f32; 8]],
+    ) {
         // SAFETY: per the contract.
-        unsafe { q4k_body::<N, true>(gw, xs, accs) }
+        unsafe {
+            match fmt {
+                Format::Q4K => q4k::<N, true>(gw, xs, accs),
+                Format::Q6K => q6k::<N, true>(gw, xs, accs),
+                other => unreachable!("{other:?} is not a K format"),
+            }
+        }
     }
 
-    /// [`q4k`]'s work, compiled into each caller with its instruction set. With `VNNI`, each
-    /// 4-wide product sum goes straight into i32 lanes (`dpbusd`), which are scaled by the
-    /// sub-block scales with one i32 multiply; without, into i16 lanes (`maddubs`, then an
+    /// Q4_K's group kernel, compiled into each caller with its instruction set. With `VNNI`,
+    /// each 4-wide product sum goes straight into i32 lanes (`dpbusd`), which are scaled by
+    /// the sub-block scales with one i32 multiply; without, into i16 lanes (`maddubs`, then an
     /// add) scaled with `madd`. The integers are the same.
     ///
     /// # Safety
-    /// As [`q4k`] or [`q4k_vnni`].
+    /// As [`group_avx2`], and VNNI with `VNNI`.
     #[inline(always)]
-    unsafe fn q4k_body<const N: usize, const VNNI: bool>(
+    unsafe fn q4k<const N: usize, const VNNI: bool>(
         gw: &[u8],
         xs: &[QuantK],
         accs: &mut [[f32; 8]],
@@ -463,21 +483,12 @@ mod avx2 {
                         };
                         for i in 0..N {
                             let a = bcast4(qs[i].add(b * QK + 64 * c + 32 * h + 4 * k));
-                            p[i] = if VNNI {
-                                _mm256_dpbusd_epi32(p[i], u, a)
-                            } else {
-                                // At most 8 · 2 · 15 · 127 = 30480: no i16 overflow.
-                                _mm256_add_epi16(p[i], _mm256_maddubs_epi16(u, a))
-                            };
+                            // In i16: at most 8 · 2 · 15 · 127 = 30480, no overflow.
+                            p[i] = dot::<VNNI>(p[i], u, a);
                         }
                     }
                     for i in 0..N {
-                        let scaled = if VNNI {
-                            _mm256_mullo_epi32(p[i], sc)
-                        } else {
-                            _mm256_madd_epi16(p[i], sc)
-                        };
-                        isum[i] = _mm256_add_epi32(isum[i], scaled);
+                        isum[i] = _mm256_add_epi32(isum[i], scaled::<VNNI>(p[i], sc));
                     }
                 };
                 // One activation row: both halves of a chunk in turn, each chunk's bytes loaded
@@ -512,33 +523,12 @@ mod avx2 {
         }
     }
 
-    /// Adds one group of eight interleaved Q6_K rows (`gw`: its blocks) against `xs[i]` to the
-    /// row lanes `accs[i]`.
+    /// Q6_K's group kernel, compiled into each caller with its instruction set (see [`q4k`]).
     ///
     /// # Safety
-    /// AVX2 and F16C; `gw` holds `xs[i].d.len()` group blocks; `N == xs.len() <= accs.len()`.
-    #[target_feature(enable = "avx2,f16c")]
-    unsafe fn q6k<const N: usize>(gw: &[u8], xs: &[QuantK], accs: &mut [[f32; 8]]) {
-        // SAFETY: per the contract.
-        unsafe { q6k_body::<N, false>(gw, xs, accs) }
-    }
-
-    /// [`q6k`] with VNNI.
-    ///
-    /// # Safety
-    /// As [`q6k`], and AVX-512 VNNI and VL.
-    #[target_feature(enable = "avx2,f16c,avx512vnni,avx512vl")]
-    unsafe fn q6k_vnni<const N: usize>(gw: &[u8], xs: &[QuantK], accs: &mut [[f32; 8]]) {
-        // SAFETY: per the contract.
-        unsafe { q6k_body::<N, true>(gw, xs, accs) }
-    }
-
-    /// [`q6k`]'s work, compiled into each caller with its instruction set (see [`q4k_body`]).
-    ///
-    /// # Safety
-    /// As [`q6k`] or [`q6k_vnni`].
+    /// As [`q4k`].
     #[inline(always)]
-    unsafe fn q6k_body<const N: usize, const VNNI: bool>(
+    unsafe fn q6k<const N: usize, const VNNI: bool>(
         gw: &[u8],
         xs: &[QuantK],
         accs: &mut [[f32; 8]],
@@ -598,38 +588,70 @@ mod avx2 {
         }
     }
 
-    /// Sub-block `j`'s scale of every row of a Q6_K group block `gb`, as i16, twice over (for
-    /// both i16 lanes of a row's `maddubs` sums).
+    /// `p` plus the products of `u` (unsigned) and `a` (signed) summed four at a time: into
+    /// i32 lanes with VNNI; in pairs into i16 lanes without (callers keep those from
+    /// overflowing).
+    ///
+    /// # Safety
+    /// The caller runs with AVX2, and VNNI with `VNNI`.
+    #[inline(always)]
+    unsafe fn dot<const VNNI: bool>(p: __m256i, u: __m256i, a: __m256i) -> __m256i {
+        // SAFETY: register operations, per the contract.
+        unsafe {
+            if VNNI {
+                _mm256_dpbusd_epi32(p, u, a)
+            } else {
+                _mm256_add_epi16(p, _mm256_maddubs_epi16(u, a))
+            }
+        }
+    }
+
+    /// [`dot`]'s sums `p` times per-row scales `sc`, summed into i32 lanes: `sc` holds a row's
+    /// scale in its i32 lane with VNNI, in both i16 halves of it without.
+    ///
+    /// # Safety
+    /// As [`dot`].
+    #[inline(always)]
+    unsafe fn scaled<const VNNI: bool>(p: __m256i, sc: __m256i) -> __m256i {
+        // SAFETY: register operations, per the contract.
+        unsafe {
+            if VNNI {
+                _mm256_mullo_epi32(p, sc)
+            } else {
+                _mm256_madd_epi16(p, sc)
+            }
+        }
+    }
+
+    /// Q6_K columns summed by [`dot`] before they are scaled: an i16 sum of two products of
+    /// at most 2 · 63 · 127 each stays below 32768; i32 ones take a whole sub-block's four.
+    const fn q6k_columns<const VNNI: bool>() -> usize {
+        if VNNI {
+            4
+        } else {
+            2
+        }
+    }
+
+    /// Sub-block `j`'s scale of every row of a Q6_K group block `gb`, laid out for
+    /// [`scaled`].
     ///
     /// # Safety
     /// `gb` is a whole group block; the caller runs with AVX2.
     #[inline(always)]
-    unsafe fn q6k_scale(gb: *const u8, j: usize) -> __m256i {
+    unsafe fn q6k_scale<const VNNI: bool>(gb: *const u8, j: usize) -> __m256i {
         // SAFETY: per the contract; the pair of sub-blocks' 16 bytes is inside the block.
         unsafe {
+            // Row r's scale of sub-block j is byte 2r + j % 2.
             let pair = _mm_loadu_si128(gb.add(super::Q6K_SC + 16 * (j / 2)).cast());
-            let sel = _mm_add_epi8(
-                _mm_setr_epi8(0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10, 12, 12, 14, 14),
-                _mm_set1_epi8((j % 2) as i8),
-            );
-            _mm256_cvtepi8_epi16(_mm_shuffle_epi8(pair, sel))
-        }
-    }
-
-    /// [`q6k_scale`] once per row, as i32 (for VNNI's i32 sums).
-    ///
-    /// # Safety
-    /// As [`q6k_scale`].
-    #[inline(always)]
-    unsafe fn q6k_scale32(gb: *const u8, j: usize) -> __m256i {
-        // SAFETY: per the contract.
-        unsafe {
-            let pair = _mm_loadu_si128(gb.add(super::Q6K_SC + 16 * (j / 2)).cast());
-            let sel = _mm_add_epi8(
-                _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0),
-                _mm_set1_epi8((j % 2) as i8),
-            );
-            _mm256_cvtepi8_epi32(_mm_shuffle_epi8(pair, sel))
+            let odd = _mm_set1_epi8((j % 2) as i8);
+            if VNNI {
+                let sel = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+                _mm256_cvtepi8_epi32(_mm_shuffle_epi8(pair, _mm_add_epi8(sel, odd)))
+            } else {
+                let sel = _mm_setr_epi8(0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10, 12, 12, 14, 14);
+                _mm256_cvtepi8_epi16(_mm_shuffle_epi8(pair, _mm_add_epi8(sel, odd)))
+            }
         }
     }
 
@@ -677,40 +699,19 @@ mod avx2 {
         for jj in 0..2 {
             // SAFETY (every access below): inside the group block, or within the 128 values.
             unsafe {
-                if VNNI {
-                    // A sub-block's four columns summed in i32, then scaled once.
-                    let sc = q6k_scale32(gb, 8 * h + 2 * S + jj);
+                let sc = q6k_scale::<VNNI>(gb, 8 * h + 2 * S + jj);
+                for first in (4 * jj..4 * jj + 4).step_by(q6k_columns::<VNNI>()) {
                     let mut p = [_mm256_setzero_si256(); N];
-                    for kk in 4 * jj..4 * jj + 4 {
+                    for kk in first..first + q6k_columns::<VNNI>() {
                         let ql = ld(gb.add(Q6K_QL + Q6K_HALF * h + 32 * (8 * (S % 2) + kk)));
                         let qh = ld(gb.add(Q6K_QH + Q6K_HALF * h + 32 * kk));
                         let u = q6k_unpack(S, ql, qh);
                         for i in 0..N {
-                            let a = bcast4(at[i].add(32 * S + 4 * kk));
-                            p[i] = _mm256_dpbusd_epi32(p[i], u, a);
+                            p[i] = dot::<VNNI>(p[i], u, bcast4(at[i].add(32 * S + 4 * kk)));
                         }
                     }
                     for i in 0..N {
-                        isum[i] = _mm256_add_epi32(isum[i], _mm256_mullo_epi32(p[i], sc));
-                    }
-                    continue;
-                }
-                let sc = q6k_scale(gb, 8 * h + 2 * S + jj);
-                // Two pairs of 4-byte columns: an i16 sum of two products of at most
-                // 2 · 63 · 127 each stays below 32768.
-                for kp in 0..2 {
-                    let mut p = [_mm256_setzero_si256(); N];
-                    for kk in 4 * jj + 2 * kp..4 * jj + 2 * kp + 2 {
-                        let ql = ld(gb.add(Q6K_QL + Q6K_HALF * h + 32 * (8 * (S % 2) + kk)));
-                        let qh = ld(gb.add(Q6K_QH + Q6K_HALF * h + 32 * kk));
-                        let u = q6k_unpack(S, ql, qh);
-                        for i in 0..N {
-                            let a = bcast4(at[i].add(32 * S + 4 * kk));
-                            p[i] = _mm256_add_epi16(p[i], _mm256_maddubs_epi16(u, a));
-                        }
-                    }
-                    for i in 0..N {
-                        isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(p[i], sc));
+                        isum[i] = _mm256_add_epi32(isum[i], scaled::<VNNI>(p[i], sc));
                     }
                 }
             }
@@ -739,36 +740,11 @@ mod avx2 {
             let qh_at = |kk: usize| gb.add(Q6K_QH + Q6K_HALF * h + 32 * kk);
             for quad in 0..2 {
                 // Quarter s's sub-block here is 8h + 2s + quad.
-                if VNNI {
+                let sc: [__m256i; 4] =
+                    std::array::from_fn(|s| q6k_scale::<VNNI>(gb, 8 * h + 2 * s + quad));
+                for first in (4 * quad..4 * quad + 4).step_by(q6k_columns::<VNNI>()) {
                     let mut p = [_mm256_setzero_si256(); 4];
-                    for kk in 4 * quad..4 * quad + 4 {
-                        let (qa, qb, qh) = (ld(qa_at(kk)), ld(qb_at(kk)), ld(qh_at(kk)));
-                        if kk % 2 == 0 {
-                            for q in [qa_at(kk), qb_at(kk), qh_at(kk)] {
-                                fetch(q.wrapping_add(STREAM_AHEAD), 1);
-                            }
-                        }
-                        let u = [
-                            q6k_unpack(0, qa, qh),
-                            q6k_unpack(1, qb, qh),
-                            q6k_unpack(2, qa, qh),
-                            q6k_unpack(3, qb, qh),
-                        ];
-                        for s in 0..4 {
-                            let a = bcast4(at.add(32 * s + 4 * kk));
-                            p[s] = _mm256_dpbusd_epi32(p[s], u[s], a);
-                        }
-                    }
-                    for (s, ps) in p.iter().enumerate() {
-                        let sc = q6k_scale32(gb, 8 * h + 2 * s + quad);
-                        *isum = _mm256_add_epi32(*isum, _mm256_mullo_epi32(*ps, sc));
-                    }
-                    continue;
-                }
-                let sc: [__m256i; 4] = std::array::from_fn(|s| q6k_scale(gb, 8 * h + 2 * s + quad));
-                for pair in 0..2 {
-                    let mut p = [_mm256_setzero_si256(); 4];
-                    for kk in 4 * quad + 2 * pair..4 * quad + 2 * pair + 2 {
+                    for kk in first..first + q6k_columns::<VNNI>() {
                         let (qa, qb, qh) = (ld(qa_at(kk)), ld(qb_at(kk)), ld(qh_at(kk)));
                         if kk % 2 == 0 {
                             // The three 64-byte lines these loads and the next column's are in.
@@ -783,12 +759,11 @@ mod avx2 {
                             q6k_unpack(3, qb, qh),
                         ];
                         for s in 0..4 {
-                            let a = bcast4(at.add(32 * s + 4 * kk));
-                            p[s] = _mm256_add_epi16(p[s], _mm256_maddubs_epi16(u[s], a));
+                            p[s] = dot::<VNNI>(p[s], u[s], bcast4(at.add(32 * s + 4 * kk)));
                         }
                     }
                     for s in 0..4 {
-                        *isum = _mm256_add_epi32(*isum, _mm256_madd_epi16(p[s], sc[s]));
+                        *isum = _mm256_add_epi32(*isum, scaled::<VNNI>(p[s], sc[s]));
                     }
                 }
             }
