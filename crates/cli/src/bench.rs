@@ -581,7 +581,8 @@ fn throughput(a: ThroughputArgs) -> Result<()> {
     };
     // The unsplit model serving one user at a time, never drafting: whole requests, prompts
     // included, over the prompts that the largest run uses (each only once for the synthetic
-    // prompt, whose rotations cost the same). Its tokens are what every user must get.
+    // prompt, whose rotations cost the same). Its tokens are what every user with one of
+    // those prompts must get.
     let gen = a.gen_tokens.max(2);
     let measured = if a.prompts == "synthetic" {
         1
@@ -627,8 +628,8 @@ fn throughput(a: ThroughputArgs) -> Result<()> {
         let identical = results
             .iter()
             .enumerate()
-            .filter(|(i, _)| *i < measured)
-            .all(|(i, r)| r.tokens[..] == expected[i][..r.tokens.len().min(expected[i].len())]);
+            .filter_map(|(i, r)| expected.get(i % prompts.len()).map(|e| (r, e)))
+            .all(|(r, e)| r.tokens[..] == e[..r.tokens.len().min(e.len())]);
         let (drafted, accepted) = results
             .iter()
             .fold((0, 0), |(d, acc), r| (d + r.drafted, acc + r.accepted));
@@ -663,8 +664,8 @@ fn throughput(a: ThroughputArgs) -> Result<()> {
 }
 
 /// Coding-assistant prompts: rewriting or extending code the prompt shows, where the answer
-/// repeats much of its input. `bench spec` uses the first three (its figures since the start);
-/// `bench throughput --prompts code` gives each user its own.
+/// repeats much of its input. `bench spec` uses the first [`SPEC_PROMPTS`] (its figures since
+/// the start); `bench throughput --prompts code` gives each user its own.
 const CODE_PROMPTS: [&str; 8] = [
     "Add type hints and a docstring to this function, and return the whole function:\n\n```python\ndef merge_sorted(a, b):\n    out = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n        if a[i] <= b[j]:\n            out.append(a[i])\n            i += 1\n        else:\n            out.append(b[j])\n            j += 1\n    out.extend(a[i:])\n    out.extend(b[j:])\n    return out\n```",
     "Rename the variable `cnt` to `count` everywhere in this code and show the result:\n\n```rust\nfn histogram(words: &[&str]) -> HashMap<String, usize> {\n    let mut cnt = HashMap::new();\n    for w in words {\n        *cnt.entry(w.to_lowercase()).or_insert(0) += 1;\n    }\n    cnt.retain(|_, c| *c > 1);\n    cnt\n}\n```",
@@ -675,6 +676,9 @@ const CODE_PROMPTS: [&str; 8] = [
     "Rewrite this C function with a `for` loop instead of the `while` loop, keeping everything else the same:\n\n```c\nint sum_even(const int *v, int n) {\n    int i = 0;\n    int total = 0;\n    while (i < n) {\n        if (v[i] % 2 == 0) {\n            total += v[i];\n        }\n        i++;\n    }\n    return total;\n}\n```",
     "Write a SQL query over tables `customers(id, name)` and `orders(id, customer_id, amount, created_at)` that returns each customer's name and total order amount in 2025, highest first, and explain it briefly.",
 ];
+
+/// How many of [`CODE_PROMPTS`] `bench spec` runs.
+const SPEC_PROMPTS: usize = 3;
 
 /// `prompts` rendered as one-message chats and tokenized.
 fn chat_prompts(
@@ -754,7 +758,7 @@ fn spec(a: SpecArgs) -> Result<()> {
             },
             &draft,
         )?;
-        let prompts = chat_prompts(&bench.head.model().text, &CODE_PROMPTS[..3])?;
+        let prompts = chat_prompts(&bench.head.model().text, &CODE_PROMPTS[..SPEC_PROMPTS])?;
         // Tokens over the decode time of all prompts, for a fixed k (or auto).
         let measure = |k: Option<usize>| -> Result<(f64, Vec<Vec<TokenId>>, usize, usize)> {
             let (mut secs, mut n, mut drafted, mut accepted) = (0.0, 0, 0, 0);
@@ -796,7 +800,7 @@ fn spec(a: SpecArgs) -> Result<()> {
         }
     }
     let out = serde_json::json!({
-        "model": a.model, "gen_tokens": a.gen_tokens, "prompts": 3,
+        "model": a.model, "gen_tokens": a.gen_tokens, "prompts": SPEC_PROMPTS,
         "draft_vocab": a.draft_vocab,
         "baseline_tok_s": baselines.first().copied().unwrap_or(0.0), "runs": runs,
     });

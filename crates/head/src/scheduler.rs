@@ -107,8 +107,6 @@ pub(crate) struct State {
     in_flight: Vec<Option<InFlight>>,
     /// Prompt chunks sent while the same prompt's previous chunk was in the ring.
     chunks: Vec<InFlight>,
-    /// Steps the ring holds at once without queueing: one per stage.
-    slots: usize,
     next_seq: u64,
     next_batch: u64,
     chunk: usize,
@@ -134,7 +132,6 @@ impl State {
         waiting: Arc<AtomicUsize>,
         spec: Option<Speculation>,
     ) -> Self {
-        let slots = budgets.len().max(1);
         Self {
             spec,
             reserved: vec![0; budgets.len()],
@@ -145,7 +142,6 @@ impl State {
             seqs: BTreeMap::new(),
             in_flight: (0..groups.max(1)).map(|_| None).collect(),
             chunks: Vec::new(),
-            slots,
             next_seq: 0,
             next_batch: 0,
             chunk: config.prefill_chunk.max(1),
@@ -299,7 +295,8 @@ impl State {
     /// 1, instead of each chunk going round alone. Only then, so a decoding sequence waits
     /// behind at most one chunk at a stage, as before.
     fn chunk_step(&mut self) -> Option<pb::Step> {
-        if self.in_ring().count() >= self.slots {
+        // The ring holds one step per stage (each stage reports its budget) without queueing.
+        if self.in_ring().count() >= self.budgets.len().max(1) {
             return None;
         }
         let (chunk, max_rows) = (self.chunk, self.max_rows);
@@ -318,25 +315,33 @@ impl State {
         if let Some(sp) = &self.spec {
             draft_ahead(sp, id, s, &seq_step, &tokens);
         }
-        self.next_batch += 1;
-        self.chunks.push(InFlight {
-            batch_id: self.next_batch,
-            seqs: vec![Fed {
-                id,
-                n,
-                proposals: vec![],
-                prompt: true,
-            }],
-            rows: n,
-            sent: std::time::Instant::now(),
-            deadline: tokio::time::Instant::now() + self.step_timeout,
-        });
+        let fed = Fed {
+            id,
+            n,
+            proposals: vec![],
+            prompt: true,
+        };
+        let f = self.new_step(vec![fed], n);
+        let batch_id = f.batch_id;
+        self.chunks.push(f);
         Some(pb::Step {
-            batch_id: self.next_batch,
+            batch_id,
             seqs: vec![seq_step],
             tokens,
             ..Default::default()
         })
+    }
+
+    /// The record of a step about to be sent, under the next batch id.
+    fn new_step(&mut self, seqs: Vec<Fed>, rows: usize) -> InFlight {
+        self.next_batch += 1;
+        InFlight {
+            batch_id: self.next_batch,
+            seqs,
+            rows,
+            sent: std::time::Instant::now(),
+            deadline: tokio::time::Instant::now() + self.step_timeout,
+        }
     }
 
     /// The next step of an idle group with sequences ready (not waiting for a chunk).
@@ -482,15 +487,9 @@ impl State {
             step.seqs.push(seq_step);
             step.tokens.extend(tokens);
         }
-        self.next_batch += 1;
-        step.batch_id = self.next_batch;
-        self.in_flight[group] = Some(InFlight {
-            batch_id: step.batch_id,
-            seqs: fed,
-            rows,
-            sent: std::time::Instant::now(),
-            deadline: tokio::time::Instant::now() + self.step_timeout,
-        });
+        let f = self.new_step(fed, rows);
+        step.batch_id = f.batch_id;
+        self.in_flight[group] = Some(f);
         Some(step)
     }
 
