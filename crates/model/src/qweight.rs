@@ -60,8 +60,43 @@ fn read_blocks<T: GgmlType>(
     Ok(v)
 }
 
-/// Output rows handed to one rayon task: enough work to amortize scheduling.
+/// Output rows handed to one rayon task: enough work to amortize scheduling (two of the
+/// kernels' eight-row groups: what one 512-bit pass takes).
 const ROWS_PER_TASK: usize = 16;
+
+/// Runs `task(first_row, outs)` over the output rows of the token-major `out` (`[n, rows]`),
+/// split into [`ROWS_PER_TASK`]-row tasks on the thread pool: `outs[i]` is token `i`'s outputs
+/// for weight rows `first_row..first_row + outs[i].len()`. Each task writes its outputs in
+/// place, so nothing is transposed after.
+fn for_row_tasks(
+    rows: usize,
+    n: usize,
+    out: &mut [f32],
+    task: impl Fn(usize, &mut [&mut [f32]]) + Sync,
+) {
+    if rayon::current_num_threads() <= 1 || rows < 2 * ROWS_PER_TASK {
+        let mut outs: Vec<&mut [f32]> = out.chunks_exact_mut(rows).collect();
+        task(0, &mut outs);
+        return;
+    }
+    // Each token's row is cut into the tasks' pieces; the pieces are gathered task by task,
+    // so every task gets its own disjoint slices of all the tokens.
+    let tasks = rows.div_ceil(ROWS_PER_TASK);
+    let mut pieces: Vec<_> = out
+        .chunks_exact_mut(rows)
+        .map(|t| t.chunks_mut(ROWS_PER_TASK))
+        .collect();
+    let mut slots = Vec::with_capacity(tasks * n);
+    for _ in 0..tasks {
+        for p in &mut pieces {
+            slots.push(p.next().expect("every token has a piece for every task"));
+        }
+    }
+    slots
+        .par_chunks_mut(n)
+        .enumerate()
+        .for_each(|(c, outs)| task(c * ROWS_PER_TASK, outs));
+}
 
 /// Our own kernels (see [`crate::kernels`]) over the raw GGUF bytes.
 struct Own {
@@ -71,52 +106,29 @@ struct Own {
 
 impl RowKernel for Own {
     fn matmul(&self, rows: usize, cols: usize, xs: &[f32], n: usize, out: &mut [f32], isa: Isa) {
-        // Activations quantized once for all weight rows, the way the format's kernel wants.
+        // Activations quantized once for all weight rows, the way the format's kernel wants
+        // (on the pool when there are several: each row alone, so the result is the same).
+        fn quantize<Q: Send>(xs: &[f32], cols: usize, n: usize, f: fn(&[f32]) -> Q) -> Vec<Q> {
+            if n > 1 && rayon::current_num_threads() > 1 {
+                xs.par_chunks_exact(cols).map(f).collect()
+            } else {
+                xs.chunks_exact(cols).map(f).collect()
+            }
+        }
         enum Acts {
             B32(Vec<Quant32>),
             K(Vec<QuantK>),
         }
         let acts = if self.fmt.is_k() {
-            Acts::K(xs.chunks_exact(cols).map(QuantK::quantize).collect())
+            Acts::K(quantize(xs, cols, n, QuantK::quantize))
         } else {
-            Acts::B32(xs.chunks_exact(cols).map(Quant32::quantize).collect())
+            Acts::B32(quantize(xs, cols, n, Quant32::quantize))
         };
-        let rows_major = |first_row: usize, chunk: &mut [f32]| {
-            let (fmt, data) = (self.fmt, &self.data[..]);
-            match &acts {
-                Acts::B32(q) => {
-                    kernels::q32::matmul_rows_major(fmt, data, first_row, cols, q, chunk, isa)
-                }
-                Acts::K(q) => {
-                    kernels::kquant::matmul_rows_major(fmt, data, first_row, cols, q, chunk, isa)
-                }
-            }
-        };
-        if n == 1 {
-            // Weight-row-major and token-major are the same layout.
-            if rayon::current_num_threads() <= 1 || rows < 2 * ROWS_PER_TASK {
-                rows_major(0, out);
-            } else {
-                out.par_chunks_mut(ROWS_PER_TASK)
-                    .enumerate()
-                    .for_each(|(c, chunk)| rows_major(c * ROWS_PER_TASK, chunk));
-            }
-            return;
-        }
-        // Weight-row-major scratch so each task owns a contiguous slice; transposed after.
-        let mut tmp = vec![0f32; rows * n];
-        if rayon::current_num_threads() <= 1 || rows < 2 * ROWS_PER_TASK {
-            rows_major(0, &mut tmp);
-        } else {
-            tmp.par_chunks_mut(ROWS_PER_TASK * n)
-                .enumerate()
-                .for_each(|(c, chunk)| rows_major(c * ROWS_PER_TASK, chunk));
-        }
-        for r in 0..rows {
-            for i in 0..n {
-                out[i * rows + r] = tmp[r * n + i];
-            }
-        }
+        let (fmt, data) = (self.fmt, &self.data[..]);
+        for_row_tasks(rows, n, out, |first_row, outs| match &acts {
+            Acts::B32(q) => kernels::q32::matmul(fmt, data, first_row, cols, q, outs, isa),
+            Acts::K(q) => kernels::kquant::matmul(fmt, data, first_row, cols, q, outs, isa),
+        });
     }
 
     fn dequantize_row(&self, row: usize, cols: usize, out: &mut [f32]) {
@@ -143,31 +155,13 @@ impl<T: GgmlType + 'static> RowKernel for Blocks<T> {
                 &qx[i * bx..(i + 1) * bx],
             )
         };
-        if rayon::current_num_threads() <= 1 || rows < 2 * ROWS_PER_TASK {
-            for r in 0..rows {
-                for i in 0..n {
-                    out[i * rows + r] = dot(r, i);
+        for_row_tasks(rows, n, out, |first_row, outs| {
+            for (i, o) in outs.iter_mut().enumerate() {
+                for (k, v) in o.iter_mut().enumerate() {
+                    *v = dot(first_row + k, i);
                 }
             }
-            return;
-        }
-        // Weight-row-major scratch so each task owns a contiguous slice; transposed after.
-        let mut tmp = vec![0f32; rows * n];
-        tmp.par_chunks_mut(ROWS_PER_TASK * n)
-            .enumerate()
-            .for_each(|(c, chunk)| {
-                for (k, dst) in chunk.chunks_mut(n).enumerate() {
-                    let r = c * ROWS_PER_TASK + k;
-                    for (i, d) in dst.iter_mut().enumerate() {
-                        *d = dot(r, i);
-                    }
-                }
-            });
-        for r in 0..rows {
-            for i in 0..n {
-                out[i * rows + r] = tmp[r * n + i];
-            }
-        }
+        });
     }
 
     fn dequantize_row(&self, row: usize, cols: usize, out: &mut [f32]) {

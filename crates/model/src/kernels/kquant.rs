@@ -305,20 +305,27 @@ pub fn dot_scalar(fmt: Format, w: &[u8], row: usize, x: &QuantK) -> f32 {
     }
 }
 
-/// `out[k * xs.len() + i] = W[first_row + k] · xs[i]` for the rows `out` covers (weight-row-major,
-/// so threads can split rows).
-pub fn matmul_rows_major(
+/// `outs[i][k] = W[first_row + k] · xs[i]` for the rows `outs` covers (each `outs[i]` the
+/// same length, a multiple of 8; `first_row` a multiple of 8).
+pub fn matmul(
     fmt: Format,
     data: &[u8],
     first_row: usize,
     cols: usize,
     xs: &[QuantK],
-    out: &mut [f32],
+    outs: &mut [&mut [f32]],
     isa: Isa,
 ) {
     let rb = fmt.row_bytes(cols);
-    let n = xs.len();
-    let rows = out.len() / n;
+    let rows = outs[0].len();
+    assert!(
+        first_row.is_multiple_of(Q4K_ROWS) && rows.is_multiple_of(Q4K_ROWS),
+        "rows {first_row}..+{rows} are not whole groups"
+    );
+    assert!(
+        outs.len() == xs.len() && outs.iter().all(|o| o.len() == rows),
+        "one output row of {rows} per activation row"
+    );
     let w = &data[first_row * rb..(first_row + rows) * rb];
     assert!(
         xs.iter().all(|x| x.q.len() == cols),
@@ -326,12 +333,12 @@ pub fn matmul_rows_major(
     );
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => avx2::matmul(fmt, w, rb, xs, out, false),
+        Isa::Avx2 => avx2::matmul(fmt, w, rb, xs, outs, false),
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512Vnni => avx2::matmul(fmt, w, rb, xs, out, true),
+        Isa::Avx512Vnni => avx2::matmul(fmt, w, rb, xs, outs, true),
         _ => {
-            for (k, dst) in out.chunks_mut(n).enumerate() {
-                for (x, d) in xs.iter().zip(dst.iter_mut()) {
+            for (x, o) in xs.iter().zip(outs.iter_mut()) {
+                for (k, d) in o.iter_mut().enumerate() {
                     *d = dot_scalar(fmt, w, k, x);
                 }
             }
@@ -346,10 +353,17 @@ mod avx2 {
     use crate::kernels::{Format, Isa};
     use std::arch::x86_64::*;
 
-    /// `out[k * xs.len() + i] = w[k] · xs[i]` for every row of `w` (rows of `rb` bytes, in
-    /// interleaved groups of eight): every group against every activation row; the float lanes
-    /// are the group's rows. `vnni`: with AVX-512 VNNI's dot products.
-    pub fn matmul(fmt: Format, w: &[u8], rb: usize, xs: &[QuantK], out: &mut [f32], vnni: bool) {
+    /// `outs[i][k] = w[k] · xs[i]` for every row of `w` (rows of `rb` bytes, in interleaved
+    /// groups of eight): every group against every activation row; the float lanes are the
+    /// group's rows. `vnni`: with AVX-512 VNNI's dot products.
+    pub fn matmul(
+        fmt: Format,
+        w: &[u8],
+        rb: usize,
+        xs: &[QuantK],
+        outs: &mut [&mut [f32]],
+        vnni: bool,
+    ) {
         let isa = if vnni { Isa::Avx512Vnni } else { Isa::Avx2 };
         assert!(isa.supported(), "this CPU has no {isa:?}");
         let n = xs.len();
@@ -360,7 +374,7 @@ mod avx2 {
             && x.bs.len() == nb * 16
             && x.bs32.len() == nb * 8));
         let group = super::Q4K_ROWS * rb;
-        assert!(w.len().is_multiple_of(group) && out.len() >= w.len() / rb * n);
+        assert!(w.len().is_multiple_of(group) && outs.iter().all(|o| o.len() == w.len() / rb));
         let mut accs = vec![[0f32; 8]; n];
         for (g, wg) in w.chunks_exact(group).enumerate() {
             accs.iter_mut().for_each(|a| *a = [0.0; 8]);
@@ -380,10 +394,8 @@ mod avx2 {
                 }
                 go!(1 2 3 4 5);
             }
-            for (i, a) in accs.iter().enumerate() {
-                for (r, v) in a.iter().enumerate() {
-                    out[(g * super::Q4K_ROWS + r) * n + i] = *v;
-                }
+            for (a, o) in accs.iter().zip(outs.iter_mut()) {
+                o[g * super::Q4K_ROWS..(g + 1) * super::Q4K_ROWS].copy_from_slice(a);
             }
         }
     }
@@ -829,7 +841,8 @@ mod tests {
                         .collect();
                     let run = |isa, xs: &[QuantK]| {
                         let mut out = vec![0f32; rows * xs.len()];
-                        matmul_rows_major(fmt, &data, 0, cols, xs, &mut out, isa);
+                        let mut outs: Vec<&mut [f32]> = out.chunks_exact_mut(rows).collect();
+                        matmul(fmt, &data, 0, cols, xs, &mut outs, isa);
                         out.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
                     };
                     let reference = run(Isa::Scalar, &xs);
@@ -839,13 +852,11 @@ mod tests {
                         // Each activation row alone gives the same bits as in the batch.
                         for i in 0..n {
                             let one = run(isa, &xs[i..i + 1]);
-                            for r in 0..rows {
-                                assert_eq!(
-                                    one[r],
-                                    simd[r * n + i],
-                                    "{isa:?} {fmt:?} n={n} row {i}"
-                                );
-                            }
+                            assert_eq!(
+                                one,
+                                simd[i * rows..(i + 1) * rows],
+                                "{isa:?} {fmt:?} n={n} row {i}"
+                            );
                         }
                     }
                 }

@@ -195,21 +195,24 @@ pub fn dot_scalar(fmt: Format, w: &[u8], row: usize, x: &Quant32) -> f32 {
     acc
 }
 
-/// `out[k * xs.len() + i] = W[first_row + k] · xs[i]` for the rows `out` covers (weight-row-major,
-/// so threads can split rows; `first_row` and the row count are multiples of [`ROWS`]).
-pub fn matmul_rows_major(
+/// `outs[i][k] = W[first_row + k] · xs[i]` for the rows `outs` covers (each `outs[i]` the
+/// same length; `first_row` and that length multiples of [`ROWS`]).
+pub fn matmul(
     fmt: Format,
     data: &[u8],
     first_row: usize,
     cols: usize,
     xs: &[Quant32],
-    out: &mut [f32],
+    outs: &mut [&mut [f32]],
     isa: Isa,
 ) {
     let rb = fmt.row_bytes(cols);
-    let n = xs.len();
-    let rows = out.len() / n;
+    let rows = outs[0].len();
     assert!(first_row.is_multiple_of(ROWS) && rows.is_multiple_of(ROWS));
+    assert!(
+        outs.len() == xs.len() && outs.iter().all(|o| o.len() == rows),
+        "one output row of {rows} per activation row"
+    );
     let w = &data[first_row * rb..(first_row + rows) * rb];
     assert!(
         xs.iter()
@@ -219,10 +222,10 @@ pub fn matmul_rows_major(
     match isa {
         #[cfg(target_arch = "x86_64")]
         // Q8_0, Q4_1 and Q5_0 have no VNNI kernels yet: AVX2 ones.
-        Isa::Avx2 | Isa::Avx512Vnni => avx2::matmul(fmt, w, rb, xs, out),
+        Isa::Avx2 | Isa::Avx512Vnni => avx2::matmul(fmt, w, rb, xs, outs),
         _ => {
-            for (k, dst) in out.chunks_mut(n).enumerate() {
-                for (x, d) in xs.iter().zip(dst.iter_mut()) {
+            for (x, o) in xs.iter().zip(outs.iter_mut()) {
+                for (k, d) in o.iter_mut().enumerate() {
                     *d = dot_scalar(fmt, w, k, x);
                 }
             }
@@ -241,9 +244,9 @@ mod avx2 {
     const Q4_1: u8 = 1;
     const Q5_0: u8 = 2;
 
-    /// `out[k * xs.len() + i] = w[k] · xs[i]` for every row of `w` (rows of `rb` bytes, whole
-    /// groups of eight).
-    pub fn matmul(fmt: Format, w: &[u8], rb: usize, xs: &[Quant32], out: &mut [f32]) {
+    /// `outs[i][k] = w[k] · xs[i]` for every row of `w` (rows of `rb` bytes, whole groups of
+    /// eight).
+    pub fn matmul(fmt: Format, w: &[u8], rb: usize, xs: &[Quant32], outs: &mut [&mut [f32]]) {
         assert!(Isa::detect().has_avx2(), "the AVX2 kernels need AVX2");
         let n = xs.len();
         let nb = xs[0].d.len();
@@ -252,7 +255,7 @@ mod avx2 {
             && x.q.len() == nb * QB
             && x.s.len() == nb
             && x.ds.len() == nb));
-        assert!(out.len() >= w.len() / rb * n);
+        assert!(outs.iter().all(|o| o.len() == w.len() / rb));
         let mut accs = vec![[0f32; 8]; n];
         for (g, wg) in w.chunks_exact(ROWS * rb).enumerate() {
             accs.iter_mut().for_each(|a| *a = [0.0; 8]);
@@ -272,10 +275,8 @@ mod avx2 {
                 go!(Q8_0 1, Q8_0 2, Q8_0 3, Q8_0 4, Q4_1 1, Q4_1 2, Q4_1 3, Q4_1 4,
                     Q5_0 1, Q5_0 2, Q5_0 3, Q5_0 4);
             }
-            for (i, a) in accs.iter().enumerate() {
-                for (r, v) in a.iter().enumerate() {
-                    out[(g * ROWS + r) * n + i] = *v;
-                }
+            for (a, o) in accs.iter().zip(outs.iter_mut()) {
+                o[g * ROWS..(g + 1) * ROWS].copy_from_slice(a);
             }
         }
     }
@@ -491,24 +492,28 @@ mod tests {
                 let (_, data) = random_weight(fmt, rows, cols, &mut s);
                 for n in [1, 2, 3, 4, 5, 8, 9, 13] {
                     let xs = acts(n, cols, &mut s);
-                    let run = |isa, xs: &[Quant32]| {
-                        let mut out = vec![0f32; rows * xs.len()];
-                        matmul_rows_major(fmt, &data, 0, cols, xs, &mut out, isa);
+                    let run = |isa, first: usize, xs: &[Quant32]| {
+                        let mut out = vec![0f32; (rows - first) * xs.len()];
+                        let mut outs: Vec<&mut [f32]> =
+                            out.chunks_exact_mut(rows - first).collect();
+                        matmul(fmt, &data, first, cols, xs, &mut outs, isa);
                         out.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
                     };
-                    let simd = run(Isa::detect(), &xs);
-                    assert_eq!(simd, run(Isa::Scalar, &xs), "{fmt:?} cols={cols} n={n}");
+                    let simd = run(Isa::detect(), 0, &xs);
+                    assert_eq!(simd, run(Isa::Scalar, 0, &xs), "{fmt:?} cols={cols} n={n}");
                     for i in 0..n {
-                        let one = run(Isa::detect(), &xs[i..i + 1]);
-                        for r in 0..rows {
-                            assert_eq!(one[r], simd[r * n + i], "{fmt:?} n={n} row {i}");
-                        }
+                        let one = run(Isa::detect(), 0, &xs[i..i + 1]);
+                        assert_eq!(one, simd[i * rows..(i + 1) * rows], "{fmt:?} n={n} row {i}");
                     }
                     // A later group alone gives the same bits as in the whole matrix.
-                    let mut tail = vec![0f32; 8 * n];
-                    matmul_rows_major(fmt, &data, 16, cols, &xs, &mut tail, Isa::detect());
-                    let tail: Vec<u32> = tail.iter().map(|v| v.to_bits()).collect();
-                    assert_eq!(tail, simd[16 * n..], "{fmt:?} n={n} rows 16..24");
+                    let tail = run(Isa::detect(), 16, &xs);
+                    for i in 0..n {
+                        assert_eq!(
+                            tail[i * 8..(i + 1) * 8],
+                            simd[i * rows + 16..(i + 1) * rows],
+                            "{fmt:?} n={n} rows 16..24"
+                        );
+                    }
                 }
             }
         }
