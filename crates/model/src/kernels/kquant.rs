@@ -13,7 +13,8 @@
 //!   interleaved in groups of eight rows too ([`repack_q6k`]).
 //!
 //! Integer sums are exact in any order and the float steps are the same operations in the same
-//! order, so the AVX2 path equals the reference bit for bit. Each activation row's result is
+//! order, so the AVX2, VNNI and 512-bit (`zmm`, two groups per register) paths equal the
+//! reference bit for bit. Each activation row's result is
 //! computed the same way whatever other rows share the pass: the SIMD path only reuses each
 //! loaded and unpacked weight block for up to [`MAX_ROWS`] activation rows.
 
@@ -375,8 +376,47 @@ mod avx2 {
             && x.bs32.len() == nb * 8));
         let group = super::Q4K_ROWS * rb;
         assert!(w.len().is_multiple_of(group) && outs.iter().all(|o| o.len() == w.len() / rb));
+        let groups = w.len() / group;
         let mut accs = vec![[0f32; 8]; n];
-        for (g, wg) in w.chunks_exact(group).enumerate() {
+        let mut wide = vec![[0f32; 16]; n];
+        let mut g = 0;
+        while g < groups {
+            let wg = &w[g * group..];
+            if vnni && g + 1 < groups && n > 1 {
+                // Two groups in each 512-bit register; a lone activation row (the last of
+                // six, say) takes the 256-bit pass over each group, which gives the same bits.
+                wide.iter_mut().for_each(|a| *a = [0.0; 16]);
+                for (c, xc) in xs.chunks(MAX_ROWS).enumerate() {
+                    let a = &mut wide[c * MAX_ROWS..];
+                    macro_rules! go {
+                        ($($k:literal)*) => {
+                            match xc.len() {
+                                1 => {
+                                    for (h, gh) in wg.chunks_exact(group).take(2).enumerate() {
+                                        let mut one = [[0f32; 8]];
+                                        // SAFETY: the ISA checked above; sizes checked above.
+                                        unsafe { group_vnni::<1>(fmt, gh, xc, &mut one) };
+                                        a[0][8 * h..8 * h + 8].copy_from_slice(&one[0]);
+                                    }
+                                }
+                                $(
+                                    // SAFETY: the ISA checked above (VNNI implies AVX-512 F
+                                    // and BW); sizes checked above.
+                                    $k => unsafe { super::zmm::pair::<$k>(fmt, &wg[..2 * group], xc, a) },
+                                )*
+                                k => unreachable!("{k} rows"),
+                            }
+                        };
+                    }
+                    go!(2 3 4 5);
+                }
+                for (a, o) in wide.iter().zip(outs.iter_mut()) {
+                    o[g * super::Q4K_ROWS..(g + 2) * super::Q4K_ROWS].copy_from_slice(a);
+                }
+                g += 2;
+                continue;
+            }
+            let wg = &wg[..group];
             accs.iter_mut().for_each(|a| *a = [0.0; 8]);
             for (c, xc) in xs.chunks(MAX_ROWS).enumerate() {
                 let a = &mut accs[c * MAX_ROWS..];
@@ -397,6 +437,7 @@ mod avx2 {
             for (a, o) in accs.iter().zip(outs.iter_mut()) {
                 o[g * super::Q4K_ROWS..(g + 1) * super::Q4K_ROWS].copy_from_slice(a);
             }
+            g += 1;
         }
     }
 
@@ -779,6 +820,320 @@ mod avx2 {
                     }
                 }
             }
+        }
+    }
+}
+
+/// The 512-bit kernels: two groups of eight rows side by side in one register (lanes 0-7 the
+/// first group's rows, 8-15 the second's), so each `vpdpbusd` does twice the work of a 256-bit
+/// one at the same rate. Their per-lane integers and float steps are those of the 256-bit
+/// kernels, so they equal the reference bit for bit as well. Used for two or more activation
+/// rows, where the kernels are compute-bound; one row streams from memory, and the 256-bit
+/// pass with its prefetching does that better.
+#[cfg(target_arch = "x86_64")]
+mod zmm {
+    use super::{QuantK, QK};
+    use crate::kernels::x86::fetch;
+    use crate::kernels::Format;
+    use std::arch::x86_64::*;
+
+    /// Two groups of eight interleaved rows of `fmt` (`gw`: the first group's blocks, then the
+    /// second's) against `xs[i]`, added to the row lanes `accs[i]` (the first group's rows,
+    /// then the second's).
+    ///
+    /// # Safety
+    /// AVX-512 F, BW, VL and VNNI, and F16C; `gw` holds two groups of `xs[i].d.len()` blocks;
+    /// `N == xs.len() <= accs.len()`.
+    #[target_feature(enable = "avx2,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub unsafe fn pair<const N: usize>(
+        fmt: Format,
+        gw: &[u8],
+        xs: &[QuantK],
+        accs: &mut [[f32; 16]],
+    ) {
+        // SAFETY: per the contract.
+        unsafe {
+            match fmt {
+                Format::Q4K => q4k::<N>(gw, xs, accs),
+                Format::Q6K => q6k::<N>(gw, xs, accs),
+                other => unreachable!("{other:?} is not a K format"),
+            }
+        }
+    }
+
+    /// The 32 bytes at `a` (the first group's) then the 32 at `b`.
+    ///
+    /// # Safety
+    /// 32 readable bytes at each; the caller runs with AVX-512 F.
+    #[inline(always)]
+    unsafe fn ld2(a: *const u8, b: *const u8) -> __m512i {
+        // SAFETY: per the contract.
+        unsafe {
+            _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256(a.cast())),
+                _mm256_loadu_si256(b.cast()),
+                1,
+            )
+        }
+    }
+
+    /// The 16 bytes at `a` then the 16 at `b`.
+    ///
+    /// # Safety
+    /// 16 readable bytes at each; the caller runs with AVX2.
+    #[inline(always)]
+    unsafe fn ld2_16(a: *const u8, b: *const u8) -> __m256i {
+        // SAFETY: per the contract.
+        unsafe {
+            _mm256_inserti128_si256(
+                _mm256_castsi128_si256(_mm_loadu_si128(a.cast())),
+                _mm_loadu_si128(b.cast()),
+                1,
+            )
+        }
+    }
+
+    /// The 8 bytes at `a` then the 8 at `b`.
+    ///
+    /// # Safety
+    /// 8 readable bytes at each; the caller runs with SSE2.
+    #[inline(always)]
+    unsafe fn ld2_8(a: *const u8, b: *const u8) -> __m128i {
+        // SAFETY: per the contract.
+        unsafe { _mm_unpacklo_epi64(_mm_loadl_epi64(a.cast()), _mm_loadl_epi64(b.cast())) }
+    }
+
+    /// The 4 bytes at `p` (four activation values) in every 32-bit lane.
+    ///
+    /// # Safety
+    /// 4 readable bytes at `p`; the caller runs with AVX-512 F.
+    #[inline(always)]
+    unsafe fn bcast4(p: *const u8) -> __m512i {
+        // SAFETY: per the contract.
+        unsafe { _mm512_set1_epi32(std::ptr::read_unaligned(p as *const i32)) }
+    }
+
+    /// The two groups' f16 values at offset `at` of their blocks `a` and `b`, as 16 floats.
+    ///
+    /// # Safety
+    /// 16 readable bytes at each; AVX-512 F.
+    #[inline(always)]
+    unsafe fn scales(a: *const u8, b: *const u8) -> __m512 {
+        // SAFETY: per the contract.
+        unsafe { _mm512_cvtph_ps(ld2_16(a, b)) }
+    }
+
+    /// Q4_K for two groups (see the 256-bit `q4k`): both halves of each 4-bit column are
+    /// unpacked from one load, with 32 registers to hold their sums.
+    ///
+    /// # Safety
+    /// As [`pair`].
+    #[inline(always)]
+    unsafe fn q4k<const N: usize>(gw: &[u8], xs: &[QuantK], accs: &mut [[f32; 16]]) {
+        use super::{Q4K_GROUP_BYTES as GB, Q4K_MIN, Q4K_NIB, Q4K_SC};
+        let nb = xs[0].d.len();
+        let second = nb * GB;
+        // SAFETY: register operations (the callers run with AVX-512).
+        let m4 = unsafe { _mm512_set1_epi8(0x0F) };
+        let qs: [*const u8; N] = std::array::from_fn(|i| xs[i].q.as_ptr().cast());
+        let b32: [*const i16; N] = std::array::from_fn(|i| xs[i].bs32.as_ptr());
+        // SAFETY: `accs` has N entries of 16 floats.
+        let mut acc: [__m512; N] =
+            std::array::from_fn(|i| unsafe { _mm512_loadu_ps(accs[i].as_ptr()) });
+        for b in 0..nb {
+            // SAFETY: block `b` of each group is `GB` bytes inside `gw`; every activation row
+            // holds `nb` blocks of 256 values and 8 sums (checked by the callers).
+            unsafe {
+                let pa = gw.as_ptr().add(b * GB);
+                let pb = pa.add(second);
+                fetch(pa.wrapping_add(2 * GB), GB);
+                fetch(pb.wrapping_add(2 * GB), GB);
+                let d = scales(pa, pb);
+                let dmin = scales(pa.add(16), pb.add(16));
+                let mut isum = [_mm512_setzero_si512(); N];
+                for c in 0..4 {
+                    let sc = |j: usize| {
+                        _mm512_cvtepu8_epi32(ld2_8(pa.add(Q4K_SC + 8 * j), pb.add(Q4K_SC + 8 * j)))
+                    };
+                    let mut lo = [_mm512_setzero_si512(); N];
+                    let mut hi = [_mm512_setzero_si512(); N];
+                    for k in 0..8 {
+                        let at = Q4K_NIB + (8 * c + k) * 32;
+                        let v = ld2(pa.add(at), pb.add(at));
+                        let u0 = _mm512_and_si512(v, m4);
+                        let u1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                        for i in 0..N {
+                            let a = qs[i].add(b * QK + 64 * c + 4 * k);
+                            lo[i] = _mm512_dpbusd_epi32(lo[i], u0, bcast4(a));
+                            hi[i] = _mm512_dpbusd_epi32(hi[i], u1, bcast4(a.add(32)));
+                        }
+                    }
+                    let (s0, s1) = (sc(2 * c), sc(2 * c + 1));
+                    for i in 0..N {
+                        let s = _mm512_add_epi32(
+                            _mm512_mullo_epi32(lo[i], s0),
+                            _mm512_mullo_epi32(hi[i], s1),
+                        );
+                        isum[i] = _mm512_add_epi32(isum[i], s);
+                    }
+                }
+                for i in 0..N {
+                    let mut m = _mm512_setzero_si512();
+                    for jp in 0..4 {
+                        let at = Q4K_MIN + 16 * jp;
+                        let mv = _mm512_cvtepu8_epi16(ld2_16(pa.add(at), pb.add(at)));
+                        let bb = bcast4(b32[i].add(8 * b + 2 * jp).cast());
+                        m = _mm512_add_epi32(m, _mm512_madd_epi16(mv, bb));
+                    }
+                    let dx = _mm512_set1_ps(*xs[i].d.get_unchecked(b));
+                    let v = _mm512_sub_ps(
+                        _mm512_mul_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum[i])),
+                        _mm512_mul_ps(_mm512_mul_ps(dmin, dx), _mm512_cvtepi32_ps(m)),
+                    );
+                    acc[i] = _mm512_add_ps(acc[i], v);
+                }
+            }
+        }
+        for i in 0..N {
+            // SAFETY: as above.
+            unsafe { _mm512_storeu_ps(accs[i].as_mut_ptr(), acc[i]) };
+        }
+    }
+
+    /// Quarter `s`'s unsigned 6-bit values of one column of both groups (see the 256-bit
+    /// `q6k_unpack`).
+    ///
+    /// # Safety
+    /// The caller runs with AVX-512 BW.
+    #[inline(always)]
+    unsafe fn q6k_unpack(s: usize, ql: __m512i, qh: __m512i) -> __m512i {
+        // SAFETY: register operations only.
+        unsafe {
+            let m4 = _mm512_set1_epi8(0x0F);
+            let lo = if s < 2 {
+                _mm512_and_si512(ql, m4)
+            } else {
+                _mm512_and_si512(_mm512_srli_epi16(ql, 4), m4)
+            };
+            let hi = match s {
+                0 => _mm512_slli_epi16(qh, 4),
+                1 => _mm512_slli_epi16(qh, 2),
+                2 => qh,
+                _ => _mm512_srli_epi16(qh, 2),
+            };
+            _mm512_or_si512(lo, _mm512_and_si512(hi, _mm512_set1_epi8(0x30)))
+        }
+    }
+
+    /// Sub-block `j`'s scale of every row of both groups' blocks `a` and `b`, in i32 lanes.
+    ///
+    /// # Safety
+    /// Whole group blocks at `a` and `b`; AVX-512 F.
+    #[inline(always)]
+    unsafe fn q6k_scale(a: *const u8, b: *const u8, j: usize) -> __m512i {
+        // SAFETY: per the contract; the pair of sub-blocks' 16 bytes is inside each block.
+        unsafe {
+            // Row r's scale of sub-block j is byte 2r + j % 2 of the pair's 16.
+            let at = super::Q6K_SC + 16 * (j / 2);
+            let sel = _mm_add_epi8(
+                _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14),
+                _mm_set1_epi8((j % 2) as i8),
+            );
+            let (sa, sb) = (
+                _mm_shuffle_epi8(_mm_loadu_si128(a.add(at).cast()), sel),
+                _mm_shuffle_epi8(_mm_loadu_si128(b.add(at).cast()), sel),
+            );
+            _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(sa, sb))
+        }
+    }
+
+    /// Adds quarter `S` (elements `128h + 32S..+32`: sub-blocks `8h + 2S` and `8h + 2S + 1`)
+    /// of both groups' blocks `pa` and `pb` against the activations at `at[i]` (the half's
+    /// first value) to `isum[i]`. `S` is a constant: with a plain loop LLVM left the unpacking
+    /// branchy.
+    ///
+    /// # Safety
+    /// As [`pair`]; `pa` and `pb` are whole group blocks and each `at[i]` has 128 readable
+    /// values.
+    #[inline(always)]
+    unsafe fn q6k_quarter<const N: usize, const S: usize>(
+        pa: *const u8,
+        pb: *const u8,
+        h: usize,
+        at: [*const u8; N],
+        isum: &mut [__m512i; N],
+    ) {
+        use super::{Q6K_HALF, Q6K_QH, Q6K_QL};
+        for jj in 0..2 {
+            // SAFETY (every access below): inside the group blocks, or within the 128 values.
+            unsafe {
+                let sc = q6k_scale(pa, pb, 8 * h + 2 * S + jj);
+                let mut p = [_mm512_setzero_si512(); N];
+                for kk in 4 * jj..4 * jj + 4 {
+                    let l = Q6K_QL + Q6K_HALF * h + 32 * (8 * (S % 2) + kk);
+                    let t = Q6K_QH + Q6K_HALF * h + 32 * kk;
+                    let u = q6k_unpack(S, ld2(pa.add(l), pb.add(l)), ld2(pa.add(t), pb.add(t)));
+                    for i in 0..N {
+                        p[i] = _mm512_dpbusd_epi32(p[i], u, bcast4(at[i].add(32 * S + 4 * kk)));
+                    }
+                }
+                for i in 0..N {
+                    isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(p[i], sc));
+                }
+            }
+        }
+    }
+
+    /// Q6_K for two groups (see the 256-bit `q6k`), one quarter (two sub-blocks) at a time.
+    ///
+    /// # Safety
+    /// As [`pair`].
+    #[inline(always)]
+    unsafe fn q6k<const N: usize>(gw: &[u8], xs: &[QuantK], accs: &mut [[f32; 16]]) {
+        use super::{Q6K_GROUP_BYTES as GB, Q6K_SC};
+        let nb = xs[0].d.len();
+        let second = nb * GB;
+        let qs: [*const u8; N] = std::array::from_fn(|i| xs[i].q.as_ptr().cast());
+        let bss: [*const i16; N] = std::array::from_fn(|i| xs[i].bs.as_ptr());
+        // SAFETY: `accs` has N entries of 16 floats.
+        let mut acc: [__m512; N] =
+            std::array::from_fn(|i| unsafe { _mm512_loadu_ps(accs[i].as_ptr()) });
+        for b in 0..nb {
+            // SAFETY: block `b` of each group is `GB` bytes inside `gw`; every activation row
+            // holds `nb` blocks of 256 values and 16 sums (checked by the callers).
+            unsafe {
+                let pa = gw.as_ptr().add(b * GB);
+                let pb = pa.add(second);
+                fetch(pa.wrapping_add(2 * GB), GB);
+                fetch(pb.wrapping_add(2 * GB), GB);
+                let d = scales(pa, pb);
+                let mut isum = [_mm512_setzero_si512(); N];
+                for h in 0..2 {
+                    let at: [*const u8; N] = std::array::from_fn(|i| qs[i].add(b * QK + 128 * h));
+                    q6k_quarter::<N, 0>(pa, pb, h, at, &mut isum);
+                    q6k_quarter::<N, 1>(pa, pb, h, at, &mut isum);
+                    q6k_quarter::<N, 2>(pa, pb, h, at, &mut isum);
+                    q6k_quarter::<N, 3>(pa, pb, h, at, &mut isum);
+                }
+                for i in 0..N {
+                    // The −32 offset of every value: Σ_j sc_j · (sum of sub-block j's q).
+                    let mut off = _mm512_setzero_si512();
+                    for jp in 0..8 {
+                        let at = Q6K_SC + 16 * jp;
+                        let sv = _mm512_cvtepi8_epi16(ld2_16(pa.add(at), pb.add(at)));
+                        let bb = bcast4(bss[i].add(16 * b + 2 * jp).cast());
+                        off = _mm512_add_epi32(off, _mm512_madd_epi16(sv, bb));
+                    }
+                    let is = _mm512_sub_epi32(isum[i], _mm512_slli_epi32(off, 5));
+                    let dx = _mm512_set1_ps(*xs[i].d.get_unchecked(b));
+                    let v = _mm512_mul_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(is));
+                    acc[i] = _mm512_add_ps(acc[i], v);
+                }
+            }
+        }
+        for i in 0..N {
+            // SAFETY: as above.
+            unsafe { _mm512_storeu_ps(accs[i].as_mut_ptr(), acc[i]) };
         }
     }
 }

@@ -69,8 +69,9 @@ pub enum Isa {
     Scalar,
     /// x86-64 AVX2 with FMA and F16C.
     Avx2,
-    /// AVX2 plus AVX-512 VNNI on 256-bit registers (with VL): one instruction for what takes
-    /// AVX2 two (`maddubs` and an add) in the K formats' dot products, and 32 vector registers.
+    /// AVX2 plus AVX-512 (F, BW, VL) with VNNI: one instruction for what takes AVX2 two
+    /// (`maddubs` and an add) in the K formats' dot products, 32 vector registers, and for
+    /// several activation rows 512-bit registers holding two groups of rows at once.
     Avx512Vnni,
 }
 
@@ -100,7 +101,8 @@ impl Isa {
                 use std::arch::is_x86_feature_detected as has;
                 if has!("avx2") && has!("fma") && has!("f16c") {
                     all.push(Isa::Avx2);
-                    if has!("avx512vnni") && has!("avx512vl") {
+                    if has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512vnni")
+                    {
                         all.push(Isa::Avx512Vnni);
                     }
                 }
