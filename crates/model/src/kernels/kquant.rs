@@ -350,7 +350,7 @@ pub fn matmul(
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::{QuantK, MAX_ROWS, QK};
-    use crate::kernels::x86::{bcast4, fetch, ld};
+    use crate::kernels::x86::{bcast4, fetch, fetch_l2, ld, BATCH_AHEAD};
     use crate::kernels::{Format, Isa};
     use std::arch::x86_64::*;
 
@@ -514,7 +514,11 @@ mod avx2 {
             // blocks of 256 values and 8 sums (checked by the callers).
             unsafe {
                 let gb = gw.as_ptr().add(b * GB);
-                fetch(gb.wrapping_add(2 * GB), GB);
+                if N == 1 {
+                    fetch(gb.wrapping_add(2 * GB), GB);
+                } else {
+                    fetch_l2(gb.wrapping_add(BATCH_AHEAD * GB), GB);
+                }
                 let d = _mm256_cvtph_ps(_mm_loadu_si128(gb.cast()));
                 let dmin = _mm256_cvtph_ps(_mm_loadu_si128(gb.add(16).cast()));
                 let mut isum = [_mm256_setzero_si256(); N];
@@ -604,7 +608,7 @@ mod avx2 {
                 if N == 1 {
                     fetch(gb.wrapping_add(STREAM_AHEAD), Q6K_QL);
                 } else {
-                    fetch(gb.wrapping_add(2 * GB), GB);
+                    fetch_l2(gb.wrapping_add(BATCH_AHEAD * GB), GB);
                 }
                 let d = _mm256_cvtph_ps(_mm_loadu_si128(gb.cast()));
                 let mut isum = [_mm256_setzero_si256(); N];
@@ -833,7 +837,7 @@ mod avx2 {
 #[cfg(target_arch = "x86_64")]
 mod zmm {
     use super::{QuantK, QK};
-    use crate::kernels::x86::fetch;
+    use crate::kernels::x86::{fetch_l2, BATCH_AHEAD};
     use crate::kernels::Format;
     use std::arch::x86_64::*;
 
@@ -946,8 +950,8 @@ mod zmm {
             unsafe {
                 let pa = gw.as_ptr().add(b * GB);
                 let pb = pa.add(second);
-                fetch(pa.wrapping_add(2 * GB), GB);
-                fetch(pb.wrapping_add(2 * GB), GB);
+                fetch_l2(pa.wrapping_add(BATCH_AHEAD * GB), GB);
+                fetch_l2(pb.wrapping_add(BATCH_AHEAD * GB), GB);
                 let d = scales(pa, pb);
                 let dmin = scales(pa.add(16), pb.add(16));
                 let mut isum = [_mm512_setzero_si512(); N];
@@ -1104,8 +1108,8 @@ mod zmm {
             unsafe {
                 let pa = gw.as_ptr().add(b * GB);
                 let pb = pa.add(second);
-                fetch(pa.wrapping_add(2 * GB), GB);
-                fetch(pb.wrapping_add(2 * GB), GB);
+                fetch_l2(pa.wrapping_add(BATCH_AHEAD * GB), GB);
+                fetch_l2(pb.wrapping_add(BATCH_AHEAD * GB), GB);
                 let d = scales(pa, pb);
                 let mut isum = [_mm512_setzero_si512(); N];
                 for h in 0..2 {
