@@ -837,6 +837,7 @@ mod avx2 {
 #[cfg(target_arch = "x86_64")]
 mod zmm {
     use super::{QuantK, QK};
+    use crate::kernels::x86::wide::{bcast4, ld2, ld2_16, ld2_8};
     use crate::kernels::x86::{fetch_l2, BATCH_AHEAD};
     use crate::kernels::Format;
     use std::arch::x86_64::*;
@@ -863,58 +864,6 @@ mod zmm {
                 other => unreachable!("{other:?} is not a K format"),
             }
         }
-    }
-
-    /// The 32 bytes at `a` (the first group's) then the 32 at `b`.
-    ///
-    /// # Safety
-    /// 32 readable bytes at each; the caller runs with AVX-512 F.
-    #[inline(always)]
-    unsafe fn ld2(a: *const u8, b: *const u8) -> __m512i {
-        // SAFETY: per the contract.
-        unsafe {
-            _mm512_inserti64x4(
-                _mm512_castsi256_si512(_mm256_loadu_si256(a.cast())),
-                _mm256_loadu_si256(b.cast()),
-                1,
-            )
-        }
-    }
-
-    /// The 16 bytes at `a` then the 16 at `b`.
-    ///
-    /// # Safety
-    /// 16 readable bytes at each; the caller runs with AVX2.
-    #[inline(always)]
-    unsafe fn ld2_16(a: *const u8, b: *const u8) -> __m256i {
-        // SAFETY: per the contract.
-        unsafe {
-            _mm256_inserti128_si256(
-                _mm256_castsi128_si256(_mm_loadu_si128(a.cast())),
-                _mm_loadu_si128(b.cast()),
-                1,
-            )
-        }
-    }
-
-    /// The 8 bytes at `a` then the 8 at `b`.
-    ///
-    /// # Safety
-    /// 8 readable bytes at each; the caller runs with SSE2.
-    #[inline(always)]
-    unsafe fn ld2_8(a: *const u8, b: *const u8) -> __m128i {
-        // SAFETY: per the contract.
-        unsafe { _mm_unpacklo_epi64(_mm_loadl_epi64(a.cast()), _mm_loadl_epi64(b.cast())) }
-    }
-
-    /// The 4 bytes at `p` (four activation values) in every 32-bit lane.
-    ///
-    /// # Safety
-    /// 4 readable bytes at `p`; the caller runs with AVX-512 F.
-    #[inline(always)]
-    unsafe fn bcast4(p: *const u8) -> __m512i {
-        // SAFETY: per the contract.
-        unsafe { _mm512_set1_epi32(std::ptr::read_unaligned(p as *const i32)) }
     }
 
     /// The two groups' f16 values at offset `at` of their blocks `a` and `b`, as 16 floats.

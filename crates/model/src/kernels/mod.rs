@@ -57,6 +57,63 @@ mod x86 {
         }
     }
 
+    /// The 512-bit kernels' loads: two groups of eight rows side by side in one register.
+    pub mod wide {
+        use std::arch::x86_64::*;
+
+        /// The 32 bytes at `a` (the first group's) then the 32 at `b`.
+        ///
+        /// # Safety
+        /// 32 readable bytes at each; the caller runs with AVX-512 F.
+        #[inline(always)]
+        pub unsafe fn ld2(a: *const u8, b: *const u8) -> __m512i {
+            // SAFETY: per the contract.
+            unsafe {
+                _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_loadu_si256(a.cast())),
+                    _mm256_loadu_si256(b.cast()),
+                    1,
+                )
+            }
+        }
+
+        /// The 16 bytes at `a` then the 16 at `b`.
+        ///
+        /// # Safety
+        /// 16 readable bytes at each; the caller runs with AVX2.
+        #[inline(always)]
+        pub unsafe fn ld2_16(a: *const u8, b: *const u8) -> __m256i {
+            // SAFETY: per the contract.
+            unsafe {
+                _mm256_inserti128_si256(
+                    _mm256_castsi128_si256(_mm_loadu_si128(a.cast())),
+                    _mm_loadu_si128(b.cast()),
+                    1,
+                )
+            }
+        }
+
+        /// The 8 bytes at `a` then the 8 at `b`.
+        ///
+        /// # Safety
+        /// 8 readable bytes at each; the caller runs with SSE2.
+        #[inline(always)]
+        pub unsafe fn ld2_8(a: *const u8, b: *const u8) -> __m128i {
+            // SAFETY: per the contract.
+            unsafe { _mm_unpacklo_epi64(_mm_loadl_epi64(a.cast()), _mm_loadl_epi64(b.cast())) }
+        }
+
+        /// The 4 bytes at `p` (four activation values) in every 32-bit lane.
+        ///
+        /// # Safety
+        /// 4 readable bytes at `p`; the caller runs with AVX-512 F.
+        #[inline(always)]
+        pub unsafe fn bcast4(p: *const u8) -> __m512i {
+            // SAFETY: per the contract.
+            unsafe { _mm512_set1_epi32(std::ptr::read_unaligned(p as *const i32)) }
+        }
+    }
+
     /// Blocks ahead of the one in hand that kernels over several activation rows fetch into
     /// L2, in each stream of weights they read. A block takes them long enough that memory can
     /// run far ahead; fetching two blocks ahead into L1, as one row does, left a 5-row step of

@@ -221,8 +221,9 @@ pub fn matmul(
     );
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // Q8_0, Q4_1 and Q5_0 have no VNNI kernels yet: AVX2 ones.
-        Isa::Avx2 | Isa::Avx512Vnni => avx2::matmul(fmt, w, rb, xs, outs),
+        Isa::Avx2 => avx2::matmul(fmt, w, rb, xs, outs, false),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni => avx2::matmul(fmt, w, rb, xs, outs, true),
         _ => {
             for (x, o) in xs.iter().zip(outs.iter_mut()) {
                 for (k, d) in o.iter_mut().enumerate() {
@@ -240,14 +241,23 @@ mod avx2 {
     use crate::kernels::{Format, Isa};
     use std::arch::x86_64::*;
 
-    const Q8_0: u8 = 0;
-    const Q4_1: u8 = 1;
-    const Q5_0: u8 = 2;
+    pub(super) const Q8_0: u8 = 0;
+    pub(super) const Q4_1: u8 = 1;
+    pub(super) const Q5_0: u8 = 2;
 
     /// `outs[i][k] = w[k] · xs[i]` for every row of `w` (rows of `rb` bytes, whole groups of
-    /// eight).
-    pub fn matmul(fmt: Format, w: &[u8], rb: usize, xs: &[Quant32], outs: &mut [&mut [f32]]) {
-        assert!(Isa::detect().has_avx2(), "the AVX2 kernels need AVX2");
+    /// eight). `wide`: two or more activation rows take the 512-bit VNNI kernels, two groups
+    /// at a time.
+    pub fn matmul(
+        fmt: Format,
+        w: &[u8],
+        rb: usize,
+        xs: &[Quant32],
+        outs: &mut [&mut [f32]],
+        wide: bool,
+    ) {
+        let isa = if wide { Isa::Avx512Vnni } else { Isa::Avx2 };
+        assert!(isa.supported(), "this CPU has no {isa:?}");
         let n = xs.len();
         let nb = xs[0].d.len();
         assert!(rb == nb * fmt.block_bytes() && w.len().is_multiple_of(ROWS * rb));
@@ -256,8 +266,51 @@ mod avx2 {
             && x.s.len() == nb
             && x.ds.len() == nb));
         assert!(outs.iter().all(|o| o.len() == w.len() / rb));
+        let gsize = ROWS * rb;
+        let groups = w.len() / gsize;
         let mut accs = vec![[0f32; 8]; n];
-        for (g, wg) in w.chunks_exact(ROWS * rb).enumerate() {
+        let mut pairs = vec![[0f32; 16]; n];
+        let mut g = 0;
+        while g < groups {
+            let wg = &w[g * gsize..];
+            if wide && g + 1 < groups && n > 1 {
+                // A lone activation row (the last of five, say) takes the AVX2 pass over each
+                // group, which gives the same bits.
+                pairs.iter_mut().for_each(|a| *a = [0.0; 16]);
+                for (c, xc) in xs.chunks(MAX_ROWS).enumerate() {
+                    let a = &mut pairs[c * MAX_ROWS..];
+                    if xc.len() == 1 {
+                        for (h, gh) in wg.chunks_exact(gsize).take(2).enumerate() {
+                            let mut one = [[0f32; 8]];
+                            one_row(fmt, gh, xc, &mut one);
+                            a[0][8 * h..8 * h + 8].copy_from_slice(&one[0]);
+                        }
+                        continue;
+                    }
+                    let wp = &wg[..2 * gsize];
+                    macro_rules! go {
+                        ($($f:ident $k:literal),*) => {
+                            match (fmt, xc.len()) {
+                                $(
+                                    // SAFETY: the ISA checked above (VNNI comes with AVX-512
+                                    // F and BW here); sizes checked above.
+                                    (Format::$f, $k) => unsafe {
+                                        super::zmm::pair::<$f, $k>(wp, xc, a)
+                                    },
+                                )*
+                                (f, k) => unreachable!("{f:?} with {k} rows"),
+                            }
+                        };
+                    }
+                    go!(Q8_0 2, Q8_0 3, Q8_0 4, Q4_1 2, Q4_1 3, Q4_1 4, Q5_0 2, Q5_0 3, Q5_0 4);
+                }
+                for (a, o) in pairs.iter().zip(outs.iter_mut()) {
+                    o[g * ROWS..(g + 2) * ROWS].copy_from_slice(a);
+                }
+                g += 2;
+                continue;
+            }
+            let wg = &wg[..gsize];
             accs.iter_mut().for_each(|a| *a = [0.0; 8]);
             for (c, xc) in xs.chunks(MAX_ROWS).enumerate() {
                 let a = &mut accs[c * MAX_ROWS..];
@@ -277,6 +330,20 @@ mod avx2 {
             }
             for (a, o) in accs.iter().zip(outs.iter_mut()) {
                 o[g * ROWS..(g + 1) * ROWS].copy_from_slice(a);
+            }
+            g += 1;
+        }
+    }
+
+    /// One group against one activation row, with AVX2.
+    fn one_row(fmt: Format, gw: &[u8], x: &[Quant32], a: &mut [[f32; 8]]) {
+        // SAFETY: the callers checked AVX2 and the sizes.
+        unsafe {
+            match fmt {
+                Format::Q8_0 => group::<Q8_0, 1>(gw, x, a),
+                Format::Q4_1 => group::<Q4_1, 1>(gw, x, a),
+                Format::Q5_0 => group::<Q5_0, 1>(gw, x, a),
+                other => unreachable!("{other:?} is not a 32-element format"),
             }
         }
     }
@@ -395,6 +462,126 @@ mod avx2 {
     }
 }
 
+/// The 512-bit kernels: two groups of eight rows side by side in one register (as in
+/// [`super::kquant`]'s), with VNNI's dot products, for two or more activation rows. Their
+/// per-lane integers and float steps are those of the AVX2 kernels, so they equal the
+/// reference bit for bit as well.
+#[cfg(target_arch = "x86_64")]
+mod zmm {
+    use super::{group_bytes, Quant32, QB};
+    use crate::kernels::x86::wide::{bcast4, ld2, ld2_16};
+    use crate::kernels::x86::{fetch_l2, BATCH_AHEAD};
+    use crate::kernels::Format;
+    use std::arch::x86_64::*;
+
+    /// Two groups of eight interleaved rows of format `F` (`gw`: the first group's blocks,
+    /// then the second's) against `xs[i]`, added to the row lanes `accs[i]` (the first
+    /// group's rows, then the second's).
+    ///
+    /// # Safety
+    /// AVX-512 F, BW, VL and VNNI, FMA and F16C; `gw` holds two groups of `xs[i].d.len()`
+    /// blocks; `N == xs.len() <= accs.len()`.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub unsafe fn pair<const F: u8, const N: usize>(
+        gw: &[u8],
+        xs: &[Quant32],
+        accs: &mut [[f32; 16]],
+    ) {
+        use super::avx2::{Q4_1, Q5_0, Q8_0};
+        let fmt = [Format::Q8_0, Format::Q4_1, Format::Q5_0][F as usize];
+        let gbytes = group_bytes(fmt);
+        let nb = xs[0].d.len();
+        let second = nb * gbytes;
+        let (m4, m10, flip) = (
+            _mm512_set1_epi8(0x0F),
+            _mm512_set1_epi8(0x10),
+            _mm512_set1_epi8(-128),
+        );
+        let qs: [*const u8; N] = std::array::from_fn(|i| xs[i].q.as_ptr().cast());
+        // SAFETY: `accs` has N entries of 16 floats.
+        let mut acc: [__m512; N] =
+            std::array::from_fn(|i| unsafe { _mm512_loadu_ps(accs[i].as_ptr()) });
+        for b in 0..nb {
+            // SAFETY: block `b` of each group is `gbytes` bytes inside `gw`; every activation
+            // row holds `nb` blocks (checked by the caller).
+            unsafe {
+                let pa = gw.as_ptr().add(b * gbytes);
+                let pb = pa.add(second);
+                fetch_l2(pa.wrapping_add(BATCH_AHEAD * 1024), gbytes);
+                fetch_l2(pb.wrapping_add(BATCH_AHEAD * 1024), gbytes);
+                let act = |i: usize, e: usize| bcast4(qs[i].add(b * QB + e));
+                // `dpbusd` multiplies unsigned weights by signed activations: Q8_0's signed
+                // values go in with their sign bit flipped (v + 128), and the 128·S that adds
+                // comes off first; Q5_0's 16·S likewise.
+                let mut isum: [__m512i; N] = std::array::from_fn(|i| {
+                    let s = *xs[i].s.get_unchecked(b);
+                    match F {
+                        Q8_0 => _mm512_set1_epi32(-128 * s),
+                        Q5_0 => _mm512_set1_epi32(-16 * s),
+                        _ => _mm512_setzero_si512(),
+                    }
+                });
+                if F == Q8_0 {
+                    for k in 0..8 {
+                        let at = super::Q8_VALS + 32 * k;
+                        let v = _mm512_xor_si512(ld2(pa.add(at), pb.add(at)), flip);
+                        for (i, s) in isum.iter_mut().enumerate() {
+                            *s = _mm512_dpbusd_epi32(*s, v, act(i, 4 * k));
+                        }
+                    }
+                } else {
+                    let nib = if F == Q4_1 {
+                        super::Q41_NIB
+                    } else {
+                        super::Q50_NIB
+                    };
+                    // Fifth bits as in the AVX2 kernel: column c's are bit 4 of each byte after
+                    // a right shift by c.
+                    let (mut h_lo, mut h_hi) = if F == Q5_0 {
+                        let h = ld2(pa.add(super::Q50_HIGH), pb.add(super::Q50_HIGH));
+                        (_mm512_slli_epi16(h, 4), h)
+                    } else {
+                        (_mm512_setzero_si512(), _mm512_setzero_si512())
+                    };
+                    for c in 0..4 {
+                        let v = ld2(pa.add(nib + 32 * c), pb.add(nib + 32 * c));
+                        let mut lo = _mm512_and_si512(v, m4);
+                        let mut hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                        if F == Q5_0 {
+                            lo = _mm512_or_si512(lo, _mm512_and_si512(h_lo, m10));
+                            hi = _mm512_or_si512(hi, _mm512_and_si512(h_hi, m10));
+                            h_lo = _mm512_srli_epi16(h_lo, 1);
+                            h_hi = _mm512_srli_epi16(h_hi, 1);
+                        }
+                        for (i, s) in isum.iter_mut().enumerate() {
+                            *s = _mm512_dpbusd_epi32(*s, lo, act(i, 4 * c));
+                            *s = _mm512_dpbusd_epi32(*s, hi, act(i, 16 + 4 * c));
+                        }
+                    }
+                }
+                let d = _mm512_cvtph_ps(ld2_16(pa, pb));
+                for i in 0..N {
+                    let dx = _mm512_set1_ps(*xs[i].d.get_unchecked(b));
+                    let f = _mm512_mul_ps(d, dx);
+                    acc[i] = _mm512_fmadd_ps(f, _mm512_cvtepi32_ps(isum[i]), acc[i]);
+                }
+                if F == Q4_1 {
+                    let at = super::Q41_MIN;
+                    let m = _mm512_cvtph_ps(ld2_16(pa.add(at), pb.add(at)));
+                    for i in 0..N {
+                        let ds = _mm512_set1_ps(*xs[i].ds.get_unchecked(b));
+                        acc[i] = _mm512_fmadd_ps(m, ds, acc[i]);
+                    }
+                }
+            }
+        }
+        for i in 0..N {
+            // SAFETY: as above.
+            unsafe { _mm512_storeu_ps(accs[i].as_mut_ptr(), acc[i]) };
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -499,20 +686,27 @@ mod tests {
                         matmul(fmt, &data, first, cols, xs, &mut outs, isa);
                         out.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
                     };
-                    let simd = run(Isa::detect(), 0, &xs);
-                    assert_eq!(simd, run(Isa::Scalar, 0, &xs), "{fmt:?} cols={cols} n={n}");
-                    for i in 0..n {
-                        let one = run(Isa::detect(), 0, &xs[i..i + 1]);
-                        assert_eq!(one, simd[i * rows..(i + 1) * rows], "{fmt:?} n={n} row {i}");
-                    }
-                    // A later group alone gives the same bits as in the whole matrix.
-                    let tail = run(Isa::detect(), 16, &xs);
-                    for i in 0..n {
-                        assert_eq!(
-                            tail[i * 8..(i + 1) * 8],
-                            simd[i * rows + 16..(i + 1) * rows],
-                            "{fmt:?} n={n} rows 16..24"
-                        );
+                    let reference = run(Isa::Scalar, 0, &xs);
+                    for &isa in &Isa::available()[1..] {
+                        let simd = run(isa, 0, &xs);
+                        assert_eq!(simd, reference, "{isa:?} {fmt:?} cols={cols} n={n}");
+                        for i in 0..n {
+                            let one = run(isa, 0, &xs[i..i + 1]);
+                            assert_eq!(
+                                one,
+                                simd[i * rows..(i + 1) * rows],
+                                "{isa:?} {fmt:?} n={n} row {i}"
+                            );
+                        }
+                        // A later group alone gives the same bits as in the whole matrix.
+                        let tail = run(isa, 16, &xs);
+                        for i in 0..n {
+                            assert_eq!(
+                                tail[i * 8..(i + 1) * 8],
+                                simd[i * rows + 16..(i + 1) * rows],
+                                "{isa:?} {fmt:?} n={n} rows 16..24"
+                            );
+                        }
                     }
                 }
             }
