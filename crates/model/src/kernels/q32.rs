@@ -26,6 +26,10 @@ pub const ROWS: usize = 8;
 /// Activation rows handled together by one pass over a weight group.
 pub const MAX_ROWS: usize = 4;
 
+/// Activation rows handled together by one 512-bit pass over two groups (its 32 registers
+/// hold more rows' sums; five rows, a 4-token draft's verification, take one pass).
+pub const WIDE_ROWS: usize = 8;
+
 /// An activation row quantized per 32 elements to `i8`.
 #[derive(Debug, Default, Clone)]
 pub struct Quant32 {
@@ -236,7 +240,7 @@ pub fn matmul(
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{group_bytes, Quant32, MAX_ROWS, QB, ROWS};
+    use super::{group_bytes, Quant32, MAX_ROWS, QB, ROWS, WIDE_ROWS};
     use crate::kernels::x86::{bcast4, fetch, ld};
     use crate::kernels::{Format, Isa};
     use std::arch::x86_64::*;
@@ -277,8 +281,8 @@ mod avx2 {
                 // A lone activation row (the last of five, say) takes the AVX2 pass over each
                 // group, which gives the same bits.
                 pairs.iter_mut().for_each(|a| *a = [0.0; 16]);
-                for (c, xc) in xs.chunks(MAX_ROWS).enumerate() {
-                    let a = &mut pairs[c * MAX_ROWS..];
+                for (c, xc) in xs.chunks(WIDE_ROWS).enumerate() {
+                    let a = &mut pairs[c * WIDE_ROWS..];
                     if xc.len() == 1 {
                         for (h, gh) in wg.chunks_exact(gsize).take(2).enumerate() {
                             let mut one = [[0f32; 8]];
@@ -302,7 +306,9 @@ mod avx2 {
                             }
                         };
                     }
-                    go!(Q8_0 2, Q8_0 3, Q8_0 4, Q4_1 2, Q4_1 3, Q4_1 4, Q5_0 2, Q5_0 3, Q5_0 4);
+                    go!(Q8_0 2, Q8_0 3, Q8_0 4, Q8_0 5, Q8_0 6, Q8_0 7, Q8_0 8,
+                        Q4_1 2, Q4_1 3, Q4_1 4, Q4_1 5, Q4_1 6, Q4_1 7, Q4_1 8,
+                        Q5_0 2, Q5_0 3, Q5_0 4, Q5_0 5, Q5_0 6, Q5_0 7, Q5_0 8);
                 }
                 for (a, o) in pairs.iter().zip(outs.iter_mut()) {
                     o[g * ROWS..(g + 2) * ROWS].copy_from_slice(a);
