@@ -367,7 +367,6 @@ mod avx2 {
     ) {
         let isa = if vnni { Isa::Avx512Vnni } else { Isa::Avx2 };
         assert!(isa.supported(), "this CPU has no {isa:?}");
-        let n = xs.len();
         let nb = xs[0].d.len();
         assert!(rb == nb * fmt.block_bytes() && w.len().is_multiple_of(rb));
         assert!(xs.iter().all(|x| x.d.len() == nb
@@ -377,49 +376,14 @@ mod avx2 {
         let group = super::Q4K_ROWS * rb;
         assert!(w.len().is_multiple_of(group) && outs.iter().all(|o| o.len() == w.len() / rb));
         let groups = w.len() / group;
-        let mut accs = vec![[0f32; 8]; n];
-        let mut wide = vec![[0f32; 16]; n];
-        let mut g = 0;
-        while g < groups {
-            let wg = &w[g * group..];
-            if vnni && g + 1 < groups && n > 1 {
-                // Two groups in each 512-bit register; a lone activation row (the last of
-                // six, say) takes the 256-bit pass over each group, which gives the same bits.
-                wide.iter_mut().for_each(|a| *a = [0.0; 16]);
-                for (c, xc) in xs.chunks(MAX_ROWS).enumerate() {
-                    let a = &mut wide[c * MAX_ROWS..];
-                    macro_rules! go {
-                        ($($k:literal)*) => {
-                            match xc.len() {
-                                1 => {
-                                    for (h, gh) in wg.chunks_exact(group).take(2).enumerate() {
-                                        let mut one = [[0f32; 8]];
-                                        // SAFETY: the ISA checked above; sizes checked above.
-                                        unsafe { group_vnni::<1>(fmt, gh, xc, &mut one) };
-                                        a[0][8 * h..8 * h + 8].copy_from_slice(&one[0]);
-                                    }
-                                }
-                                $(
-                                    // SAFETY: the ISA checked above (VNNI implies AVX-512 F
-                                    // and BW); sizes checked above.
-                                    $k => unsafe { super::zmm::pair::<$k>(fmt, &wg[..2 * group], xc, a) },
-                                )*
-                                k => unreachable!("{k} rows"),
-                            }
-                        };
-                    }
-                    go!(2 3 4 5);
-                }
-                for (a, o) in wide.iter().zip(outs.iter_mut()) {
-                    o[g * super::Q4K_ROWS..(g + 2) * super::Q4K_ROWS].copy_from_slice(a);
-                }
-                g += 2;
-                continue;
-            }
-            let wg = &wg[..group];
-            accs.iter_mut().for_each(|a| *a = [0.0; 8]);
-            for (c, xc) in xs.chunks(MAX_ROWS).enumerate() {
-                let a = &mut accs[c * MAX_ROWS..];
+        crate::kernels::walk_groups(
+            groups,
+            xs,
+            outs,
+            MAX_ROWS,
+            vnni.then_some(MAX_ROWS),
+            |g, xc, a| {
+                let wg = &w[g * group..(g + 1) * group];
                 macro_rules! go {
                     ($($k:literal)*) => {
                         match (xc.len(), vnni) {
@@ -433,12 +397,24 @@ mod avx2 {
                     };
                 }
                 go!(1 2 3 4 5);
-            }
-            for (a, o) in accs.iter().zip(outs.iter_mut()) {
-                o[g * super::Q4K_ROWS..(g + 1) * super::Q4K_ROWS].copy_from_slice(a);
-            }
-            g += 1;
-        }
+            },
+            |g, xc, a| {
+                let wp = &w[g * group..(g + 2) * group];
+                macro_rules! go {
+                    ($($k:literal)*) => {
+                        match xc.len() {
+                            $(
+                                // SAFETY: the ISA checked above (VNNI comes with AVX-512 F
+                                // and BW); sizes checked above.
+                                $k => unsafe { super::zmm::pair::<$k>(fmt, wp, xc, a) },
+                            )*
+                            k => unreachable!("{k} rows"),
+                        }
+                    };
+                }
+                go!(2 3 4 5);
+            },
+        );
     }
 
     /// How far ahead a single-row Q6_K pass fetches.
@@ -1136,7 +1112,7 @@ mod tests {
             for cols in [256, 1536] {
                 let rows = 24;
                 let data = random_weight(fmt, rows, cols, &mut s);
-                for n in [1, 2, 3, 5, 8, 9, 13] {
+                for n in [1, 2, 3, 5, 6, 8, 9, 13] {
                     let xs: Vec<QuantK> = (0..n)
                         .map(|k| {
                             let x: Vec<f32> = (0..cols)

@@ -130,6 +130,61 @@ mod x86 {
     }
 }
 
+/// How the SIMD matmuls walk a weight's groups of eight interleaved rows: the 256-bit
+/// kernels take one group against up to `rows` activation rows at a time (`group(g, xs, accs)`
+/// adds group `g` against `xs[i]` to `accs[i]`); with `wide_rows`, two or more activation rows
+/// take the 512-bit kernels, two groups against up to that many rows at a time
+/// (`pair(g, xs, accs)`: groups `g` and `g + 1`, the first's rows in lanes 0-7), and a lone
+/// activation row left over takes `group` over each of the two, which gives the same bits.
+/// `outs[i][8g..8g + 8]` receives group `g` against activation row `i`.
+pub(crate) fn walk_groups<X>(
+    groups: usize,
+    xs: &[X],
+    outs: &mut [&mut [f32]],
+    rows: usize,
+    wide_rows: Option<usize>,
+    group: impl Fn(usize, &[X], &mut [[f32; 8]]),
+    pair: impl Fn(usize, &[X], &mut [[f32; 16]]),
+) {
+    let n = xs.len();
+    let mut accs = vec![[0f32; 8]; n];
+    let mut wide = vec![[0f32; 16]; n];
+    let mut g = 0;
+    while g < groups {
+        match wide_rows {
+            Some(per) if g + 1 < groups && n > 1 => {
+                wide.iter_mut().for_each(|a| *a = [0.0; 16]);
+                for (c, xc) in xs.chunks(per).enumerate() {
+                    let a = &mut wide[c * per..];
+                    if xc.len() > 1 {
+                        pair(g, xc, a);
+                        continue;
+                    }
+                    for h in 0..2 {
+                        let mut one = [[0f32; 8]];
+                        group(g + h, xc, &mut one);
+                        a[0][8 * h..8 * h + 8].copy_from_slice(&one[0]);
+                    }
+                }
+                for (a, o) in wide.iter().zip(outs.iter_mut()) {
+                    o[8 * g..8 * g + 16].copy_from_slice(a);
+                }
+                g += 2;
+            }
+            _ => {
+                accs.iter_mut().for_each(|a| *a = [0.0; 8]);
+                for (c, xc) in xs.chunks(rows).enumerate() {
+                    group(g, xc, &mut accs[c * rows..]);
+                }
+                for (a, o) in accs.iter().zip(outs.iter_mut()) {
+                    o[8 * g..8 * g + 8].copy_from_slice(a);
+                }
+                g += 1;
+            }
+        }
+    }
+}
+
 pub use formats::Format;
 pub use kquant::QuantK;
 pub use q32::Quant32;

@@ -13,7 +13,8 @@
 //! and fused multiply-adds (correctly rounded, so `f32::mul_add` and the FMA instruction agree),
 //! so the AVX2 path equals the reference bit for bit. Each activation row's result is computed
 //! the same way whatever other rows share the pass: the SIMD path only reuses each loaded and
-//! unpacked weight block for up to [`MAX_ROWS`] activation rows.
+//! unpacked weight block for up to [`MAX_ROWS`] activation rows ([`WIDE_ROWS`] in the 512-bit
+//! pass).
 
 use super::{f16_at, Format, Isa};
 
@@ -262,7 +263,6 @@ mod avx2 {
     ) {
         let isa = if wide { Isa::Avx512Vnni } else { Isa::Avx2 };
         assert!(isa.supported(), "this CPU has no {isa:?}");
-        let n = xs.len();
         let nb = xs[0].d.len();
         assert!(rb == nb * fmt.block_bytes() && w.len().is_multiple_of(ROWS * rb));
         assert!(xs.iter().all(|x| x.d.len() == nb
@@ -271,55 +271,14 @@ mod avx2 {
             && x.ds.len() == nb));
         assert!(outs.iter().all(|o| o.len() == w.len() / rb));
         let gsize = ROWS * rb;
-        let groups = w.len() / gsize;
-        let mut accs = vec![[0f32; 8]; n];
-        let mut pairs = vec![[0f32; 16]; n];
-        let mut g = 0;
-        while g < groups {
-            let wg = &w[g * gsize..];
-            if wide && g + 1 < groups && n > 1 {
-                // A lone activation row (the last of five, say) takes the AVX2 pass over each
-                // group, which gives the same bits.
-                pairs.iter_mut().for_each(|a| *a = [0.0; 16]);
-                for (c, xc) in xs.chunks(WIDE_ROWS).enumerate() {
-                    let a = &mut pairs[c * WIDE_ROWS..];
-                    if xc.len() == 1 {
-                        for (h, gh) in wg.chunks_exact(gsize).take(2).enumerate() {
-                            let mut one = [[0f32; 8]];
-                            one_row(fmt, gh, xc, &mut one);
-                            a[0][8 * h..8 * h + 8].copy_from_slice(&one[0]);
-                        }
-                        continue;
-                    }
-                    let wp = &wg[..2 * gsize];
-                    macro_rules! go {
-                        ($($f:ident $k:literal),*) => {
-                            match (fmt, xc.len()) {
-                                $(
-                                    // SAFETY: the ISA checked above (VNNI comes with AVX-512
-                                    // F and BW here); sizes checked above.
-                                    (Format::$f, $k) => unsafe {
-                                        super::zmm::pair::<$f, $k>(wp, xc, a)
-                                    },
-                                )*
-                                (f, k) => unreachable!("{f:?} with {k} rows"),
-                            }
-                        };
-                    }
-                    go!(Q8_0 2, Q8_0 3, Q8_0 4, Q8_0 5, Q8_0 6, Q8_0 7, Q8_0 8,
-                        Q4_1 2, Q4_1 3, Q4_1 4, Q4_1 5, Q4_1 6, Q4_1 7, Q4_1 8,
-                        Q5_0 2, Q5_0 3, Q5_0 4, Q5_0 5, Q5_0 6, Q5_0 7, Q5_0 8);
-                }
-                for (a, o) in pairs.iter().zip(outs.iter_mut()) {
-                    o[g * ROWS..(g + 2) * ROWS].copy_from_slice(a);
-                }
-                g += 2;
-                continue;
-            }
-            let wg = &wg[..gsize];
-            accs.iter_mut().for_each(|a| *a = [0.0; 8]);
-            for (c, xc) in xs.chunks(MAX_ROWS).enumerate() {
-                let a = &mut accs[c * MAX_ROWS..];
+        crate::kernels::walk_groups(
+            w.len() / gsize,
+            xs,
+            outs,
+            MAX_ROWS,
+            wide.then_some(WIDE_ROWS),
+            |g, xc, a| {
+                let wg = &w[g * gsize..(g + 1) * gsize];
                 macro_rules! go {
                     ($($f:ident $k:literal),*) => {
                         match (fmt, xc.len()) {
@@ -333,25 +292,28 @@ mod avx2 {
                 }
                 go!(Q8_0 1, Q8_0 2, Q8_0 3, Q8_0 4, Q4_1 1, Q4_1 2, Q4_1 3, Q4_1 4,
                     Q5_0 1, Q5_0 2, Q5_0 3, Q5_0 4);
-            }
-            for (a, o) in accs.iter().zip(outs.iter_mut()) {
-                o[g * ROWS..(g + 1) * ROWS].copy_from_slice(a);
-            }
-            g += 1;
-        }
-    }
-
-    /// One group against one activation row, with AVX2.
-    fn one_row(fmt: Format, gw: &[u8], x: &[Quant32], a: &mut [[f32; 8]]) {
-        // SAFETY: the callers checked AVX2 and the sizes.
-        unsafe {
-            match fmt {
-                Format::Q8_0 => group::<Q8_0, 1>(gw, x, a),
-                Format::Q4_1 => group::<Q4_1, 1>(gw, x, a),
-                Format::Q5_0 => group::<Q5_0, 1>(gw, x, a),
-                other => unreachable!("{other:?} is not a 32-element format"),
-            }
-        }
+            },
+            |g, xc, a| {
+                let wp = &w[g * gsize..(g + 2) * gsize];
+                macro_rules! go {
+                    ($($f:ident $k:literal),*) => {
+                        match (fmt, xc.len()) {
+                            $(
+                                // SAFETY: the ISA checked above (VNNI comes with AVX-512 F
+                                // and BW here); sizes checked above.
+                                (Format::$f, $k) => unsafe {
+                                    super::zmm::pair::<$f, $k>(wp, xc, a)
+                                },
+                            )*
+                            (f, k) => unreachable!("{f:?} with {k} rows"),
+                        }
+                    };
+                }
+                go!(Q8_0 2, Q8_0 3, Q8_0 4, Q8_0 5, Q8_0 6, Q8_0 7, Q8_0 8,
+                    Q4_1 2, Q4_1 3, Q4_1 4, Q4_1 5, Q4_1 6, Q4_1 7, Q4_1 8,
+                    Q5_0 2, Q5_0 3, Q5_0 4, Q5_0 5, Q5_0 6, Q5_0 7, Q5_0 8);
+            },
+        );
     }
 
     /// How far ahead of the group block in hand the weights are fetched.
