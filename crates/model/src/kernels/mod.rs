@@ -137,6 +137,7 @@ mod x86 {
 /// (`pair(g, xs, accs)`: groups `g` and `g + 1`, the first's rows in lanes 0-7), and a lone
 /// activation row left over takes `group` over each of the two, which gives the same bits.
 /// `outs[i][8g..8g + 8]` receives group `g` against activation row `i`.
+#[cfg(target_arch = "x86_64")]
 pub(crate) fn walk_groups<X>(
     groups: usize,
     xs: &[X],
