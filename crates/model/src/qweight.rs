@@ -60,31 +60,40 @@ fn read_blocks<T: GgmlType>(
     Ok(v)
 }
 
-/// Output rows handed to one rayon task: enough work to amortize scheduling (two of the
-/// kernels' eight-row groups: what one 512-bit pass takes).
+/// The fewest output rows handed to one rayon task: enough work to amortize scheduling (two of
+/// the kernels' eight-row groups: what one 512-bit pass takes).
 const ROWS_PER_TASK: usize = 16;
 
+/// Tasks per thread a matmul is cut into, at most: enough for the threads to even out, few
+/// enough that a 151,936-row lm_head is not 9,496 tasks (and as many slices per token).
+const TASKS_PER_THREAD: usize = 16;
+
 /// Runs `task(first_row, outs)` over the output rows of the token-major `out` (`[n, rows]`),
-/// split into [`ROWS_PER_TASK`]-row tasks on the thread pool: `outs[i]` is token `i`'s outputs
-/// for weight rows `first_row..first_row + outs[i].len()`. Each task writes its outputs in
-/// place, so nothing is transposed after.
+/// split into tasks of a multiple of [`ROWS_PER_TASK`] rows on the thread pool: `outs[i]` is
+/// token `i`'s outputs for weight rows `first_row..first_row + outs[i].len()`. Each task writes
+/// its outputs in place, so nothing is transposed after. How rows are split never changes a
+/// result: every row is computed alone.
 fn for_row_tasks(
     rows: usize,
     n: usize,
     out: &mut [f32],
     task: impl Fn(usize, &mut [&mut [f32]]) + Sync,
 ) {
-    if rayon::current_num_threads() <= 1 || rows < 2 * ROWS_PER_TASK {
+    let threads = rayon::current_num_threads();
+    if threads <= 1 || rows < 2 * ROWS_PER_TASK {
         let mut outs: Vec<&mut [f32]> = out.chunks_exact_mut(rows).collect();
         task(0, &mut outs);
         return;
     }
+    let per = rows
+        .div_ceil(threads * TASKS_PER_THREAD)
+        .next_multiple_of(ROWS_PER_TASK);
     // Each token's row is cut into the tasks' pieces; the pieces are gathered task by task,
     // so every task gets its own disjoint slices of all the tokens.
-    let tasks = rows.div_ceil(ROWS_PER_TASK);
+    let tasks = rows.div_ceil(per);
     let mut pieces: Vec<_> = out
         .chunks_exact_mut(rows)
-        .map(|t| t.chunks_mut(ROWS_PER_TASK))
+        .map(|t| t.chunks_mut(per))
         .collect();
     let mut slots = Vec::with_capacity(tasks * n);
     for _ in 0..tasks {
@@ -95,7 +104,7 @@ fn for_row_tasks(
     slots
         .par_chunks_mut(n)
         .enumerate()
-        .for_each(|(c, outs)| task(c * ROWS_PER_TASK, outs));
+        .for_each(|(c, outs)| task(c * per, outs));
 }
 
 /// Our own kernels (see [`crate::kernels`]) over the raw GGUF bytes.

@@ -501,15 +501,23 @@ impl Stage {
         };
         let mut out = Vec::new();
         let mut at = 0;
+        let mut logits = logits;
         for (seq, first_pos, rows) in spans {
             if rows == 0 {
                 continue;
             }
+            // One sequence's rows are all of them: handed over, not copied (a 5-row
+            // verification's are 3 MB).
+            let data = if rows == n {
+                std::mem::take(&mut logits)
+            } else {
+                logits[at * c.vocab..(at + rows) * c.vocab].to_vec()
+            };
             out.push(SeqLogits {
                 seq,
                 first_pos,
                 rows,
-                data: logits[at * c.vocab..(at + rows) * c.vocab].to_vec(),
+                data,
             });
             at += rows;
         }
