@@ -491,7 +491,7 @@ impl Stage {
         let n = picked.len() / c.hidden;
         let mut xn = vec![0f32; picked.len()];
         ops::rms_norm(&picked, norm, c.rms_eps, &mut xn);
-        let logits = match vocab {
+        let mut logits = match vocab {
             None => {
                 let mut logits = vec![0f32; n * c.vocab];
                 head.matmul(&xn, n, &mut logits);
@@ -501,7 +501,6 @@ impl Stage {
         };
         let mut out = Vec::new();
         let mut at = 0;
-        let mut logits = logits;
         for (seq, first_pos, rows) in spans {
             if rows == 0 {
                 continue;

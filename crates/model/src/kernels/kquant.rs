@@ -14,9 +14,9 @@
 //!
 //! Integer sums are exact in any order and the float steps are the same operations in the same
 //! order, so the AVX2, VNNI and 512-bit (`zmm`, two groups per register) paths equal the
-//! reference bit for bit. Each activation row's result is
-//! computed the same way whatever other rows share the pass: the SIMD path only reuses each
-//! loaded and unpacked weight block for up to [`MAX_ROWS`] activation rows.
+//! reference bit for bit. Each activation row's result is computed the same way whatever other
+//! rows share the pass: the SIMD path only reuses each loaded and unpacked weight block for up
+//! to [`MAX_ROWS`] activation rows.
 
 use super::{f16_at, Format, Isa};
 
@@ -813,7 +813,7 @@ mod avx2 {
 #[cfg(target_arch = "x86_64")]
 mod zmm {
     use super::{QuantK, QK};
-    use crate::kernels::x86::wide::{bcast4, ld2, ld2_16, ld2_8};
+    use crate::kernels::x86::wide::{bcast4, f16x16, ld2, ld2_16, ld2_8};
     use crate::kernels::x86::{fetch_l2, BATCH_AHEAD};
     use crate::kernels::Format;
     use std::arch::x86_64::*;
@@ -842,16 +842,6 @@ mod zmm {
         }
     }
 
-    /// The two groups' f16 values at offset `at` of their blocks `a` and `b`, as 16 floats.
-    ///
-    /// # Safety
-    /// 16 readable bytes at each; AVX-512 F.
-    #[inline(always)]
-    unsafe fn scales(a: *const u8, b: *const u8) -> __m512 {
-        // SAFETY: per the contract.
-        unsafe { _mm512_cvtph_ps(ld2_16(a, b)) }
-    }
-
     /// Q4_K for two groups (see the 256-bit `q4k`): both halves of each 4-bit column are
     /// unpacked from one load, with 32 registers to hold their sums.
     ///
@@ -877,8 +867,8 @@ mod zmm {
                 let pb = pa.add(second);
                 fetch_l2(pa.wrapping_add(BATCH_AHEAD * GB), GB);
                 fetch_l2(pb.wrapping_add(BATCH_AHEAD * GB), GB);
-                let d = scales(pa, pb);
-                let dmin = scales(pa.add(16), pb.add(16));
+                let d = f16x16(pa, pb);
+                let dmin = f16x16(pa.add(16), pb.add(16));
                 let mut isum = [_mm512_setzero_si512(); N];
                 for c in 0..4 {
                     let sc = |j: usize| {
@@ -1035,7 +1025,7 @@ mod zmm {
                 let pb = pa.add(second);
                 fetch_l2(pa.wrapping_add(BATCH_AHEAD * GB), GB);
                 fetch_l2(pb.wrapping_add(BATCH_AHEAD * GB), GB);
-                let d = scales(pa, pb);
+                let d = f16x16(pa, pb);
                 let mut isum = [_mm512_setzero_si512(); N];
                 for h in 0..2 {
                     let at: [*const u8; N] = std::array::from_fn(|i| qs[i].add(b * QK + 128 * h));

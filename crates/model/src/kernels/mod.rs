@@ -103,6 +103,16 @@ mod x86 {
             unsafe { _mm_unpacklo_epi64(_mm_loadl_epi64(a.cast()), _mm_loadl_epi64(b.cast())) }
         }
 
+        /// The eight f16 values at `a` (the first group's) then the eight at `b`, as 16 floats.
+        ///
+        /// # Safety
+        /// 16 readable bytes at each; the caller runs with AVX-512 F.
+        #[inline(always)]
+        pub unsafe fn f16x16(a: *const u8, b: *const u8) -> __m512 {
+            // SAFETY: per the contract.
+            unsafe { _mm512_cvtph_ps(ld2_16(a, b)) }
+        }
+
         /// The 4 bytes at `p` (four activation values) in every 32-bit lane.
         ///
         /// # Safety

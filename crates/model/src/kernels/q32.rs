@@ -437,10 +437,15 @@ mod avx2 {
 #[cfg(target_arch = "x86_64")]
 mod zmm {
     use super::{group_bytes, Quant32, QB};
-    use crate::kernels::x86::wide::{bcast4, ld2, ld2_16};
+    use crate::kernels::x86::wide::{bcast4, f16x16, ld2};
     use crate::kernels::x86::{fetch_l2, BATCH_AHEAD};
     use crate::kernels::Format;
     use std::arch::x86_64::*;
+
+    /// How far ahead of the block in hand each group's weights are fetched into L2: about as
+    /// far as the K formats' [`BATCH_AHEAD`] blocks (9.5-13 KiB), these blocks being 136-272
+    /// bytes.
+    const AHEAD: usize = BATCH_AHEAD * 1024;
 
     /// Two groups of eight interleaved rows of format `F` (`gw`: the first group's blocks,
     /// then the second's) against `xs[i]`, added to the row lanes `accs[i]` (the first
@@ -475,8 +480,8 @@ mod zmm {
             unsafe {
                 let pa = gw.as_ptr().add(b * gbytes);
                 let pb = pa.add(second);
-                fetch_l2(pa.wrapping_add(BATCH_AHEAD * 1024), gbytes);
-                fetch_l2(pb.wrapping_add(BATCH_AHEAD * 1024), gbytes);
+                fetch_l2(pa.wrapping_add(AHEAD), gbytes);
+                fetch_l2(pb.wrapping_add(AHEAD), gbytes);
                 let act = |i: usize, e: usize| bcast4(qs[i].add(b * QB + e));
                 // `dpbusd` multiplies unsigned weights by signed activations: Q8_0's signed
                 // values go in with their sign bit flipped (v + 128), and the 128·S that adds
@@ -527,15 +532,14 @@ mod zmm {
                         }
                     }
                 }
-                let d = _mm512_cvtph_ps(ld2_16(pa, pb));
+                let d = f16x16(pa, pb);
                 for i in 0..N {
                     let dx = _mm512_set1_ps(*xs[i].d.get_unchecked(b));
                     let f = _mm512_mul_ps(d, dx);
                     acc[i] = _mm512_fmadd_ps(f, _mm512_cvtepi32_ps(isum[i]), acc[i]);
                 }
                 if F == Q4_1 {
-                    let at = super::Q41_MIN;
-                    let m = _mm512_cvtph_ps(ld2_16(pa.add(at), pb.add(at)));
+                    let m = f16x16(pa.add(super::Q41_MIN), pb.add(super::Q41_MIN));
                     for i in 0..N {
                         let ds = _mm512_set1_ps(*xs[i].ds.get_unchecked(b));
                         acc[i] = _mm512_fmadd_ps(m, ds, acc[i]);
